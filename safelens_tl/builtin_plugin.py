@@ -1,0 +1,40 @@
+"""The built-in fix, registered like any third-party plugin through the ``safelens_tl`` entry point."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from safelens_tl import kv_cache
+from safelens_tl.hookspecs import hookimpl
+from safelens_tl.patching import Patch
+from safelens_tl.targets import Layout
+
+
+def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[Any, Any, Any]:
+    """Wrap the cache's ``init_cache`` so each entry knows its layer (for error messages)."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def init_cache(cls: type, *args: Any, **kwargs: Any) -> Any:
+        cache = function(cls, *args, **kwargs)
+        kv_cache.label_layers(cache)
+        return cache
+
+    return classmethod(init_cache)
+
+
+@hookimpl
+def safelens_tl_patches(layout: Layout) -> list[Patch]:
+    """Patch the entry's ``init_cache_entry``/``append`` and the cache's mask and ``init_cache``."""
+    entry, cache = layout.entry_class, layout.cache_class
+    patches = [
+        Patch(entry, "init_cache_entry", classmethod(kv_cache.init_cache_entry)),
+        Patch(entry, "append", kv_cache.append),
+    ]
+    if callable(cache.__dict__.get("append_attention_mask")):
+        patches.append(Patch(cache, "append_attention_mask", kv_cache.append_attention_mask))
+    original_init_cache = cache.__dict__.get("init_cache")
+    if isinstance(original_init_cache, classmethod):
+        patches.append(Patch(cache, "init_cache", _labelling_init_cache(original_init_cache)))
+    return patches

@@ -1,0 +1,63 @@
+"""Install and remove class-attribute replacements, keeping the exact originals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class _Missing:
+    """Marks an attribute the class did not define itself (it was inherited or absent)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``owner.<attribute>`` with ``replacement`` while active.
+
+    ``replacement`` is stored on the class as given, so pass ``classmethod(f)`` for a classmethod.
+    """
+
+    owner: type
+    attribute: str
+    replacement: object
+    plugin: str = field(default="", compare=False)
+
+    @property
+    def target(self) -> str:
+        """Dotted name of the replaced attribute, e.g. ``module.Class.append``."""
+        return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attribute}"
+
+
+@dataclass(frozen=True)
+class InstalledPatch:
+    """A patch in place, with what the class held before it (``MISSING`` when nothing)."""
+
+    patch: Patch
+    original: object
+
+
+def install(patch: Patch) -> InstalledPatch:
+    """Put ``patch.replacement`` on the class and return the record needed to undo it."""
+    original = patch.owner.__dict__.get(patch.attribute, MISSING)
+    setattr(patch.owner, patch.attribute, patch.replacement)
+    return InstalledPatch(patch=patch, original=original)
+
+
+def uninstall(installed: InstalledPatch) -> bool:
+    """Restore the original attribute exactly; return ``False`` if someone replaced ours meanwhile.
+
+    The original is restored in either case: leaving a half-patched class would be worse.
+    """
+    patch = installed.patch
+    still_ours = patch.owner.__dict__.get(patch.attribute, MISSING) is patch.replacement
+    if installed.original is MISSING:
+        if patch.attribute in patch.owner.__dict__:
+            delattr(patch.owner, patch.attribute)
+    else:
+        setattr(patch.owner, patch.attribute, installed.original)
+    return still_ours

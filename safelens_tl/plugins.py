@@ -1,0 +1,109 @@
+"""The pluggy plugin manager: loads the ``safelens_tl`` entry points and collects their patches.
+
+pluggy's own ``load_setuptools_entrypoints`` and hook calls stop at the first exception. Here every
+plugin is loaded and called on its own, so one broken plugin is reported and skipped while the
+others (the built-in fix among them) still apply. Nothing is swallowed silently: each failure
+becomes a :class:`Failure` that the caller turns into a warning and a ``status()`` entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pluggy
+
+from safelens_tl import hookspecs
+from safelens_tl.patching import Patch
+from safelens_tl.targets import Layout
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Something that went wrong while activating: which plugin, at which stage, and why."""
+
+    source: str
+    stage: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source} ({self.stage}): {self.message}"
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def new_manager() -> pluggy.PluginManager:
+    """Return a plugin manager that knows the ``safelens_tl`` hook specifications."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    return manager
+
+
+def _entry_points() -> Iterable[object]:
+    from importlib import metadata
+
+    return metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+
+
+def load_entry_point_plugins(manager: pluggy.PluginManager) -> list[Failure]:
+    """Register every installed ``safelens_tl`` entry point; return the ones that failed."""
+    failures: list[Failure] = []
+    seen: set[str] = set()
+    for entry_point in _entry_points():
+        name: str = entry_point.name  # type: ignore[attr-defined]
+        dist = getattr(entry_point, "dist", None)
+        source = f"{dist.name}:{name}" if dist is not None else name
+        # The same distribution can be visible twice (an editable install next to a wheel).
+        if source in seen or manager.has_plugin(source):
+            continue
+        seen.add(source)
+        try:
+            plugin = entry_point.load()  # type: ignore[attr-defined]
+            manager.register(plugin, name=source)
+        except Exception as error:
+            failures.append(Failure(source, "load", _describe(error)))
+    return failures
+
+
+def collect_patches(
+    manager: pluggy.PluginManager, layout: Layout
+) -> tuple[list[Patch], list[Failure]]:
+    """Ask each registered plugin for its patches; validate each answer on its own."""
+    patches: list[Patch] = []
+    failures: list[Failure] = []
+    for implementation in manager.hook.safelens_tl_patches.get_hookimpls():
+        source = implementation.plugin_name
+        try:
+            # pluggy lets an implementation take a subset of the specified arguments.
+            offered = {"layout": layout}
+            answer = implementation.function(**{n: offered[n] for n in implementation.argnames})
+            received = list(answer) if answer is not None else []
+        except Exception as error:
+            failures.append(Failure(source, "safelens_tl_patches", _describe(error)))
+            continue
+        malformed = [item for item in received if not _is_valid_patch(item)]
+        if malformed:
+            failures.append(
+                Failure(
+                    source,
+                    "safelens_tl_patches",
+                    f"expected Patch objects naming an existing class attribute, received "
+                    f"{malformed[0]!r}; all of this plugin's patches were skipped",
+                )
+            )
+            continue
+        patches.extend(
+            Patch(p.owner, p.attribute, p.replacement, plugin=p.plugin or source) for p in received
+        )
+    return patches, failures
+
+
+def _is_valid_patch(item: object) -> bool:
+    return (
+        isinstance(item, Patch)
+        and isinstance(item.owner, type)
+        and isinstance(item.attribute, str)
+        and item.attribute.isidentifier()
+    )

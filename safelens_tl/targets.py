@@ -1,0 +1,173 @@
+"""Where each TransformerLens release keeps its KV-cache classes.
+
+This is the only module that knows TransformerLens versions. Everything else asks :func:`locate`
+for a :class:`Layout` and works with the classes it names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+DISTRIBUTION = "transformer-lens"
+
+
+@dataclass(frozen=True)
+class KnownLayout:
+    """One row of the table: the releases it covers and the dotted paths of the cache classes."""
+
+    name: str
+    first_major: int
+    last_major: int
+    entry_path: str
+    cache_path: str
+    has_hooked_transformer: bool
+
+
+#: The table. ``first_major``/``last_major`` are inclusive major versions of ``transformer-lens``.
+KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
+    KnownLayout(
+        name="past_key_value_caching (TransformerLens 1.x-2.x)",
+        first_major=1,
+        last_major=2,
+        entry_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCacheEntry",
+        cache_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCache",
+        has_hooked_transformer=True,
+    ),
+    KnownLayout(
+        name="cache package (TransformerLens 3.x)",
+        first_major=3,
+        last_major=3,
+        entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
+        cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
+        has_hooked_transformer=True,
+    ),
+    KnownLayout(
+        name="cache package (TransformerLens 4.x, no HookedTransformer)",
+        first_major=4,
+        last_major=4,
+        entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
+        cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
+        has_hooked_transformer=False,
+    ),
+)
+
+#: The parameters the replacements expect; a release whose methods differ is not patched.
+EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "init_cache_entry": ("cfg", "device", "batch_size"),
+    "append": ("self", "new_keys", "new_values"),
+}
+
+
+class UnsupportedLayoutError(RuntimeError):
+    """The installed TransformerLens keeps its cache somewhere this release does not know."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The cache classes found in the installed TransformerLens."""
+
+    release: str
+    known: KnownLayout
+    entry_class: type
+    cache_class: type
+
+    @property
+    def entry_class_path(self) -> str:
+        """Dotted path of the entry class, as written in reports."""
+        return self.known.entry_path
+
+    @property
+    def cache_class_path(self) -> str:
+        """Dotted path of the cache class, as written in reports."""
+        return self.known.cache_path
+
+
+def installed_release() -> str | None:
+    """Return the installed ``transformer-lens`` version, or ``None`` when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def major_version(release: str) -> int | None:
+    """Return the leading integer of a version string such as ``"3.0.0"`` or ``"2.18.0.dev1"``."""
+    head = release.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def known_layout_for(release: str) -> KnownLayout | None:
+    """Return the table row that covers ``release``, or ``None`` for an unknown release."""
+    major = major_version(release)
+    if major is None:
+        return None
+    for layout in KNOWN_LAYOUTS:
+        if layout.first_major <= major <= layout.last_major:
+            return layout
+    return None
+
+
+def _import_object(dotted: str) -> object:
+    module_name, _, attribute = dotted.rpartition(".")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute)
+
+
+def _parameter_names(function: object) -> tuple[str, ...]:
+    return tuple(inspect.signature(function).parameters)  # type: ignore[arg-type]
+
+
+def check_signatures(entry_class: type) -> None:
+    """Raise :class:`UnsupportedLayoutError` when the entry's methods are not shaped as expected."""
+    for method_name, expected in EXPECTED_PARAMETERS.items():
+        method = getattr(entry_class, method_name, None)
+        if method is None:
+            raise UnsupportedLayoutError(
+                f"{entry_class.__qualname__} has no {method_name!r}; expected one taking {expected}"
+            )
+        received = _parameter_names(method)
+        if received[: len(expected)] != expected:
+            raise UnsupportedLayoutError(
+                f"{entry_class.__qualname__}.{method_name} takes {received}; expected {expected}"
+            )
+
+
+def locate(release: str | None = None) -> Layout:
+    """Find the cache classes of the installed TransformerLens.
+
+    Raises :class:`UnsupportedLayoutError` with a message that names the release when it is not
+    installed, not in the table, or its classes are missing or shaped differently.
+    """
+    release = installed_release() if release is None else release
+    if release is None:
+        raise UnsupportedLayoutError("transformer-lens is not installed; nothing to patch")
+    known = known_layout_for(release)
+    if known is None:
+        supported = ", ".join(f"{k.first_major}.x-{k.last_major}.x" for k in KNOWN_LAYOUTS)
+        raise UnsupportedLayoutError(
+            f"transformer-lens {release} is not a release safelens-tl knows (supported: "
+            f"{supported}); nothing was patched. Upgrade safelens-tl or pin transformer-lens."
+        )
+    try:
+        entry_class = _import_object(known.entry_path)
+        cache_class = _import_object(known.cache_path)
+    except (ImportError, AttributeError) as error:
+        raise UnsupportedLayoutError(
+            f"transformer-lens {release}: expected {known.entry_path} and {known.cache_path} "
+            f"({known.name}) but could not import them ({error}); nothing was patched"
+        ) from error
+    if not isinstance(entry_class, type) or not isinstance(cache_class, type):
+        raise UnsupportedLayoutError(
+            f"transformer-lens {release}: {known.entry_path} is not a class; nothing was patched"
+        )
+    try:
+        check_signatures(entry_class)
+    except UnsupportedLayoutError as error:
+        raise UnsupportedLayoutError(
+            f"transformer-lens {release}: {error}; nothing was patched"
+        ) from error
+    return Layout(release=release, known=known, entry_class=entry_class, cache_class=cache_class)

@@ -1,0 +1,1 @@
+"""The verifier: tiny offline models and checks of cached against uncached generation."""
