@@ -22,6 +22,7 @@ class KnownLayout:
     last_major: int
     entry_path: str
     cache_path: str
+    config_path: str
     has_hooked_transformer: bool
 
 
@@ -33,6 +34,7 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         last_major=2,
         entry_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCacheEntry",
         cache_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCache",
+        config_path="transformer_lens.HookedTransformerConfig",
         has_hooked_transformer=True,
     ),
     KnownLayout(
@@ -41,6 +43,7 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         last_major=3,
         entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
         cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
+        config_path="transformer_lens.config.TransformerLensConfig",
         has_hooked_transformer=True,
     ),
     KnownLayout(
@@ -49,6 +52,7 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         last_major=4,
         entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
         cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
+        config_path="transformer_lens.config.TransformerLensConfig",
         has_hooked_transformer=False,
     ),
 )
@@ -72,6 +76,12 @@ class Layout:
     known: KnownLayout
     entry_class: type
     cache_class: type
+
+    def config_class(self) -> type:
+        """The release's base model-config class (for building configs in checks and tests)."""
+        config = _import_object(self.known.config_path)
+        assert isinstance(config, type)
+        return config
 
     @property
     def entry_class_path(self) -> str:

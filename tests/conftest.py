@@ -1,0 +1,69 @@
+"""Shared fixtures: the real cache classes of the installed TransformerLens, and configs for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import targets
+
+LAYOUT = targets.locate()
+RELEASE = LAYOUT.release
+HAS_HOOKED_TRANSFORMER = LAYOUT.known.has_hooked_transformer
+
+requires_hooked_transformer = pytest.mark.skipif(
+    not HAS_HOOKED_TRANSFORMER,
+    reason=f"TransformerLens {RELEASE} has no HookedTransformer",
+)
+
+
+def make_cfg(
+    n_heads: int = 4,
+    d_head: int = 8,
+    n_key_value_heads: int | None = None,
+    dtype: Any = torch.float32,
+    n_layers: int = 2,
+    n_ctx: int = 64,
+) -> Any:
+    """A real config object of the installed release (HookedTransformerConfig / TransformerLensConfig)."""
+    config_class = LAYOUT.config_class()
+    return config_class(
+        d_model=n_heads * d_head,
+        d_head=d_head,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        n_ctx=n_ctx,
+        act_fn="relu",
+        n_key_value_heads=n_key_value_heads,
+        dtype=dtype,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _restore_stock_after_test() -> Iterator[None]:
+    """Every test starts and ends with stock TransformerLens unless it activates itself."""
+    safelens_tl.deactivate()
+    yield
+    safelens_tl.deactivate()
+
+
+@pytest.fixture
+def patched() -> Iterator[safelens_tl.activation.Status]:
+    """Activate safelens-tl for the test."""
+    yield safelens_tl.activate()
+
+
+@pytest.fixture
+def entry_class() -> type:
+    """The installed release's KV-cache entry class."""
+    return LAYOUT.entry_class
+
+
+@pytest.fixture
+def cache_class() -> type:
+    """The installed release's KV-cache class."""
+    return LAYOUT.cache_class
