@@ -27,14 +27,14 @@ def resolve_dtype(value: object) -> torch.dtype:
     """
     if value is None:
         return torch.float32
-    if isinstance(value, torch.dtype):
-        return value
+    candidate = value
     if isinstance(value, str):
         candidate = getattr(torch, value.strip().removeprefix("torch."), None)
-        if isinstance(candidate, torch.dtype):
-            return candidate
+    if isinstance(candidate, torch.dtype) and candidate.is_floating_point:
+        return candidate
     raise ValueError(
-        f"cfg.dtype must be a torch.dtype or a name such as 'float16' or 'torch.bfloat16'; "
+        f"cfg.dtype must be a floating torch.dtype or its name, such as 'float16' or "
+        f"'torch.bfloat16'; "
         f"received {value!r}. Set cfg.dtype to the dtype the model runs in."
     )
 
