@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from safelens_tl import kv_cache
+from safelens_tl import generate_reserve, kv_cache
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
 from safelens_tl.targets import Layout
@@ -26,7 +26,9 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
-    """Patch the entry's ``init_cache_entry``/``append`` and the cache's mask and ``init_cache``."""
+    """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``, and
+    ``HookedTransformer.generate`` (cache reserved at its final length) where the release has it.
+    """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [
         Patch(entry, "init_cache_entry", classmethod(kv_cache.init_cache_entry)),
@@ -37,4 +39,11 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     original_init_cache = cache.__dict__.get("init_cache")
     if isinstance(original_init_cache, classmethod):
         patches.append(Patch(cache, "init_cache", _labelling_init_cache(original_init_cache)))
+    model = layout.model_class()
+    original_generate = model.__dict__.get("generate") if model is not None else None
+    if model is not None and callable(original_generate):
+        # Sizes each layer's cache once for prompt + max_new_tokens (no regrowth, no spare).
+        patches.append(
+            Patch(model, "generate", generate_reserve.reserving_generate(original_generate))
+        )
     return patches

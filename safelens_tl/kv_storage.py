@@ -1,9 +1,14 @@
-"""Storage for one layer's keys and values: a buffer that grows geometrically and is written in place.
+"""Storage for one layer's keys and values: a buffer that grows geometrically, written in place.
 
 Stock TransformerLens appends with ``torch.cat``, copying the whole past at every token. Here the
 past lives in a buffer with spare capacity; an append writes only the new positions, and
 ``past_keys``/``past_values`` are views of exactly the cached length. Positions already handed out
 are never written again, so a tensor returned earlier never changes.
+
+Capacity: a new buffer holds the needed positions plus 25% (amortized O(1) appends, at most 25%
+spare), capped at the model's ``n_ctx``. Where the final length is known, a reservation sizes new
+buffers exactly instead: :func:`reserve` (a total) or :func:`reserve_ahead` (positions beyond the
+first write, used by ``generate``, whose prompt length is only known once it is tokenized).
 """
 
 from __future__ import annotations
@@ -21,35 +26,66 @@ _GROWTH_NUMERATOR, _GROWTH_DENOMINATOR = 5, 4
 _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_positions", default=None
 )
+_reserved_ahead: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "safelens_tl_reserved_ahead", default=None
+)
+
+
+def _require_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{name} must be a non-negative int (a number of cached positions); received {value!r}"
+        )
+    return value
 
 
 @contextlib.contextmanager
 def reserve(total_positions: int) -> Iterator[None]:
     """Within this block, size new buffers for ``total_positions`` cached positions at once.
 
-    Used when the final length is known (prompt plus ``max_new_tokens``): reserving exactly avoids
-    both regrowth copies and spare capacity.
+    Used when the final length is known: reserving exactly avoids both regrowth copies and spare
+    capacity. A buffer that must hold more than ``total_positions`` grows as usual.
     """
-    token = _reserved_positions.set(total_positions)
+    token = _reserved_positions.set(_require_count("total_positions", total_positions))
     try:
         yield
     finally:
         _reserved_positions.reset(token)
 
 
+@contextlib.contextmanager
+def reserve_ahead(extra_positions: int) -> Iterator[None]:
+    """Within this block, size new buffers for what they must hold now plus ``extra_positions``.
+
+    ``generate`` knows how many tokens it will add (``max_new_tokens``) but its prompt length only
+    once it has tokenized the input; the first write of each layer is the prompt, so its buffer
+    gets exactly prompt + ``extra_positions`` without this module re-tokenizing anything.
+    """
+    token = _reserved_ahead.set(_require_count("extra_positions", extra_positions))
+    try:
+        yield
+    finally:
+        _reserved_ahead.reset(token)
+
+
 def capacity_for(needed: int, limit: int | None) -> int:
     """Return the number of positions to allocate when ``needed`` positions must fit.
 
-    A reservation in force wins when it is large enough; otherwise grow by 25%, never beyond
-    ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is larger.
+    A reservation in force wins when it is large enough; otherwise grow by 25%. Neither goes
+    beyond ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is larger.
     """
     reserved = _reserved_positions.get()
     if reserved is not None and reserved >= needed:
         return reserved
-    grown = needed + max(needed * (_GROWTH_NUMERATOR - _GROWTH_DENOMINATOR) // _GROWTH_DENOMINATOR, 1)
+    ahead = _reserved_ahead.get()
+    if ahead is not None:
+        wanted = needed + ahead
+    else:
+        growth = needed * (_GROWTH_NUMERATOR - _GROWTH_DENOMINATOR) // _GROWTH_DENOMINATOR
+        wanted = needed + max(growth, 1)
     if limit is not None and needed <= limit:
-        grown = min(grown, limit)
-    return grown
+        wanted = min(wanted, limit)
+    return wanted
 
 
 @dataclass(eq=False)
@@ -67,6 +103,12 @@ class KVStorage:
         """Positions the buffers can hold without growing."""
         return int(self.keys.size(1))
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the buffers occupy, spare capacity included."""
+        keys, values = self.keys, self.values
+        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
     def backs(self, past_keys: object, past_values: object) -> bool:
         """Whether the entry still holds the views this storage handed out (not reassigned)."""
         return past_keys is self.keys_view and past_values is self.values_view
@@ -82,14 +124,66 @@ class KVStorage:
         # Inference tensors cannot be written in place outside inference mode.
         return not self.keys.is_inference() or torch.is_inference_mode_enabled()
 
+    def try_write(
+        self,
+        past_keys: object,
+        past_values: object,
+        new_keys: object,
+        new_values: object,
+    ) -> bool:
+        """Write the step and return ``True`` when it is plainly valid; else change nothing.
+
+        The per-token fast path: it accepts only what full validation would accept unchanged
+        (still our views, exact tensors of the buffers' dtype, device, batch, heads and d_head,
+        room left), so the caller may skip its own checks when this returns ``True``. Anything
+        unusual returns ``False`` and goes through the caller's full path and its clear errors.
+        """
+        if past_keys is not self.keys_view or past_values is not self.values_view:
+            return False
+        if type(new_keys) is not torch.Tensor or type(new_values) is not torch.Tensor:
+            return False
+        keys, values = self.keys, self.values
+        if new_keys.dtype is not keys.dtype or new_values.dtype is not values.dtype:
+            return False
+        key_shape, value_shape = new_keys.shape, new_values.shape
+        if len(key_shape) != 4 or len(value_shape) != 4:
+            return False
+        batch, positions, heads, d_head = key_shape
+        stop = self.length + positions
+        if positions < 1 or stop > keys.size(1) or value_shape[1] != positions:
+            return False
+        buffer_shape, values_shape = keys.shape, values.shape
+        if (batch, heads, d_head) != (buffer_shape[0], buffer_shape[2], buffer_shape[3]):
+            return False
+        if (value_shape[0], value_shape[2], value_shape[3]) != (
+            values_shape[0],
+            values_shape[2],
+            values_shape[3],
+        ):
+            return False
+        if new_keys.device != keys.device or new_values.device != values.device:
+            return False
+        # The full path refuses meta caches that hold positions; leave those to it.
+        if keys.is_meta or (keys.is_inference() and not torch.is_inference_mode_enabled()):
+            return False
+        self._write_unchecked(new_keys, new_values, positions, stop)
+        return True
+
     def write(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
         """Write the new positions after the cached ones and refresh the views."""
-        start, stop = self.length, self.length + new_keys.size(1)
-        self.keys[:, start:stop].copy_(new_keys)
-        self.values[:, start:stop].copy_(new_values)
+        positions = new_keys.size(1)
+        self._write_unchecked(new_keys, new_values, positions, self.length + positions)
+
+    def _write_unchecked(
+        self, new_keys: torch.Tensor, new_values: torch.Tensor, positions: int, stop: int
+    ) -> None:
+        start = self.length
+        # narrow() is the cheapest view torch offers from Python; this runs once per token.
+        self.keys.narrow(1, start, positions).copy_(new_keys)
+        self.values.narrow(1, start, positions).copy_(new_values)
         self.length = stop
-        self.keys_view = self.keys[:, :stop]
-        self.values_view = self.values[:, :stop]
+        self.keys_view = self.keys.narrow(1, 0, stop)
+        self.values_view = self.values.narrow(1, 0, stop)
 
 
 def _buffer_with(past: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -110,9 +204,9 @@ def allocate(
     new_values: torch.Tensor,
     limit: int | None,
 ) -> KVStorage:
-    """Return new storage holding the past followed by the new positions, in the new dtype/device."""
+    """Return new storage holding the past, then the new positions, in the new dtype/device."""
     length = past_keys.size(1) + new_keys.size(1)
     capacity = capacity_for(length, limit)
     keys = _buffer_with(past_keys, new_keys, capacity)
     values = _buffer_with(past_values, new_values, capacity)
-    return KVStorage(keys, values, length, keys[:, :length], values[:, :length])
+    return KVStorage(keys, values, length, keys.narrow(1, 0, length), values.narrow(1, 0, length))

@@ -24,6 +24,9 @@ class KnownLayout:
     cache_path: str
     config_path: str
     has_hooked_transformer: bool
+    #: Dotted path of ``HookedTransformer`` (whose ``generate`` reserves the cache); ``None`` when
+    #: the release has none.
+    model_path: str | None = None
 
 
 #: The table. ``first_major``/``last_major`` are inclusive major versions of ``transformer-lens``.
@@ -36,6 +39,7 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         cache_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCache",
         config_path="transformer_lens.HookedTransformerConfig",
         has_hooked_transformer=True,
+        model_path="transformer_lens.HookedTransformer.HookedTransformer",
     ),
     KnownLayout(
         name="cache package (TransformerLens 3.x)",
@@ -45,6 +49,7 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
         config_path="transformer_lens.config.TransformerLensConfig",
         has_hooked_transformer=True,
+        model_path="transformer_lens.HookedTransformer.HookedTransformer",
     ),
     KnownLayout(
         name="cache package (TransformerLens 4.x, no HookedTransformer)",
@@ -82,6 +87,13 @@ class Layout:
         config = _import_object(self.known.config_path)
         assert isinstance(config, type)
         return config
+
+    def model_class(self) -> type | None:
+        """The release's ``HookedTransformer`` class, or ``None`` when it has none."""
+        if self.known.model_path is None:
+            return None
+        model = _import_object(self.known.model_path)
+        return model if isinstance(model, type) else None
 
     @property
     def entry_class_path(self) -> str:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import safelens_tl
 from safelens_tl import targets
+
+# Hypothesis profiles (issue 6). "ci" is the default: >= 1000 property examples in a plain run.
+# The function-scoped fixtures here only reset activation, which every example may share.
+_SHARED = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+settings.register_profile("ci", max_examples=1000, **_SHARED)
+settings.register_profile("dev", max_examples=100, **_SHARED)
+settings.register_profile("thorough", max_examples=20_000, **_SHARED)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 LAYOUT = targets.locate()
 RELEASE = LAYOUT.release

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,22 @@ def padded_batch(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens of two prompts of different lengths, left-padded, each followed by a continuation."""
     texts = [f"{prompt} {CONTINUATION}" for prompt in PROMPTS]
     tokens = model.to_tokens(texts, padding_side="left")
-    mask = (tokens != model.tokenizer.pad_token_id).long()
-    return tokens, mask
+    return tokens, left_padding_mask(tokens, model.tokenizer, model.cfg.default_prepend_bos)
+
+
+def left_padding_mask(tokens: torch.Tensor, tokenizer: Any, prepend_bos: bool) -> torch.Tensor:
+    """1 from each row's first real token on, for left-padded ``tokens``.
+
+    Only the leading run of pad tokens is padding (a pad id inside the text stays attended). When
+    the pad token is also the BOS token (GPT-2's tokenizer), the last of that run is the BOS.
+    """
+    pad_id = tokenizer.pad_token_id
+    is_pad = tokens == pad_id
+    leading = is_pad.long().cumprod(dim=1).sum(dim=1, keepdim=True)
+    if prepend_bos and pad_id == tokenizer.bos_token_id:
+        leading = (leading - 1).clamp_min(0)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    return (positions >= leading).long()
 
 
 def cache_class() -> Any:
@@ -68,19 +83,104 @@ def teacher_forced(model: Any, prompt_positions: int = 6) -> TeacherForced:
     tokens, mask = tokens.to(device), mask.to(device)
     uncached = model(tokens, attention_mask=mask)
     cache = cache_class().init_cache(model.cfg, model.cfg.device, tokens.shape[0])
-    pieces = [model(tokens[:, :prompt_positions], attention_mask=mask[:, :prompt_positions],
-                    past_kv_cache=cache)]
+    cached = cached_logits(model, tokens, mask, cache, prompt_positions)
+    return TeacherForced(cached, uncached, mask, cache)
+
+
+@torch.inference_mode()
+def cached_logits(
+    model: Any, tokens: torch.Tensor, mask: torch.Tensor, cache: Any, prompt_positions: int = 6
+) -> torch.Tensor:
+    """Feed ``tokens`` through ``cache`` as ``generate`` does; return the logits of every position.
+
+    Separate from :func:`teacher_forced` so that a control run can pass a deliberately broken
+    (frozen) cache and show that the comparison notices.
+    """
+    head = slice(0, prompt_positions)
+    pieces = [model(tokens[:, head], attention_mask=mask[:, head], past_kv_cache=cache)]
     for position in range(prompt_positions, tokens.shape[1]):
         step = slice(position, position + 1)
         pieces.append(model(tokens[:, step], attention_mask=mask[:, step], past_kv_cache=cache))
-    return TeacherForced(torch.cat(pieces, dim=1), uncached, mask, cache)
+    return torch.cat(pieces, dim=1)
+
+
+@torch.inference_mode()
+def frozen_cache_control(model: Any, prompt_positions: int = 6) -> float:
+    """``max_rel_err`` of a cache that stores nothing (frozen): what a broken cache looks like.
+
+    A frozen cache drops every past token, the way a cache with a wrong position or a lost append
+    would; the error it shows calibrates the tolerances against a real failure.
+    """
+    tokens, mask = padded_batch(model)
+    device = model.cfg.device
+    tokens, mask = tokens.to(device), mask.to(device)
+    uncached = model(tokens, attention_mask=mask)
+    cache = cache_class().init_cache(model.cfg, model.cfg.device, tokens.shape[0])
+    cache.freeze()
+    cached = cached_logits(model, tokens, mask, cache, prompt_positions)
+    return TeacherForced(cached, uncached, mask, cache).max_rel_err
+
+
+def expected_cache_heads(cfg: Any) -> int:
+    """Heads a correct cache stores: ``n_key_value_heads`` for grouped-query models, else ``n_heads``."""
+    heads = getattr(cfg, "n_key_value_heads", None)
+    return int(heads if heads is not None else cfg.n_heads)
+
+
+def layer_device(model: Any, layer: int) -> torch.device:
+    """The device a block's attention runs on (differs per layer when the model is split)."""
+    return torch.device(model.blocks[layer].attn.W_K.device)
+
+
+def cache_problems(model: Any, cache: Any, length: int) -> list[str]:
+    """Compare every cache entry's dtype, device, heads and length with what the model needs."""
+    problems: list[str] = []
+    expected_heads = expected_cache_heads(model.cfg)
+    for layer, entry in enumerate(cache.entries):
+        keys = entry.past_keys
+        device = layer_device(model, layer)
+        if keys.dtype != model.cfg.dtype:
+            problems.append(f"layer {layer}: cache dtype {keys.dtype}, model {model.cfg.dtype}")
+        if keys.device != device:
+            problems.append(f"layer {layer}: cache on {keys.device}, attention on {device}")
+        if keys.shape[2] != expected_heads:
+            problems.append(f"layer {layer}: cache has {keys.shape[2]} heads, {expected_heads} expected")
+        if keys.shape[1] != length:
+            problems.append(f"layer {layer}: cache holds {keys.shape[1]} positions, {length} fed")
+    return problems
+
+
+@dataclass(frozen=True)
+class TimedGeneration:
+    """Greedy generation with and without the cache: agreement and time per new token."""
+
+    agreement: float
+    cached_tokens: torch.Tensor
+    new_tokens: int
+    seconds_cached: float
+    seconds_uncached: float
+
+    @property
+    def speedup(self) -> float:
+        """Uncached time over cached time (above 1: the cache saves time)."""
+        return self.seconds_uncached / max(self.seconds_cached, 1e-9)
+
+
+def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
+    """Generate greedily on the left-padded batch of two, cached then uncached, and time both."""
+    common = {"max_new_tokens": max_new_tokens, "do_sample": False, "verbose": False,
+              "padding_side": "left", "stop_at_eos": False, "return_type": "tokens"}
+    start = time.perf_counter()
+    cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
+    middle = time.perf_counter()
+    uncached = model.generate(list(PROMPTS), use_past_kv_cache=False, **common)
+    end = time.perf_counter()
+    new_cached, new_uncached = cached[:, -max_new_tokens:], uncached[:, -max_new_tokens:]
+    agreement = float((new_cached == new_uncached).float().mean())
+    return TimedGeneration(agreement, cached, max_new_tokens, middle - start, end - middle)
 
 
 def greedy_agreement(model: Any, max_new_tokens: int = 8) -> tuple[float, torch.Tensor]:
     """Generate greedily with and without the cache; return the share of equal new tokens."""
-    common = {"max_new_tokens": max_new_tokens, "do_sample": False, "verbose": False,
-              "padding_side": "left", "stop_at_eos": False, "return_type": "tokens"}
-    cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
-    uncached = model.generate(list(PROMPTS), use_past_kv_cache=False, **common)
-    new_cached, new_uncached = cached[:, -max_new_tokens:], uncached[:, -max_new_tokens:]
-    return float((new_cached == new_uncached).float().mean()), cached
+    timed = timed_generation(model, max_new_tokens)
+    return timed.agreement, timed.cached_tokens
