@@ -1,4 +1,4 @@
-"""safelens-tl: cached TransformerLens generation that works in fp16/bf16, on GQA models and across devices.
+"""safelens-tl: cached TransformerLens generation in fp16/bf16, on GQA models, across devices.
 
 This module is the public API only. It imports nothing beyond the standard library at module level,
 because the start-up hook imports the package in every Python process: torch, pluggy and

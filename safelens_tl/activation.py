@@ -99,7 +99,11 @@ def activate() -> Status:
             key = (patch.owner, patch.attribute)
             if key in claimed:
                 failures.append(
-                    Failure(patch.plugin, "install", f"{patch.target} already patched by {claimed[key]}; skipped")
+                    Failure(
+                        patch.plugin,
+                        "install",
+                        f"{patch.target} already patched by {claimed[key]}; skipped",
+                    )
                 )
                 continue
             try:

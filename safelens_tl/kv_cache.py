@@ -20,7 +20,7 @@ _LAYER = "_safelens_layer"
 
 
 def resolve_dtype(value: object) -> torch.dtype:
-    """Turn ``cfg.dtype`` (a ``torch.dtype`` or a name like ``"float16"``/``"torch.bfloat16"``) into a dtype.
+    """Turn ``cfg.dtype`` (a ``torch.dtype`` or a name like ``"float16"``) into a floating dtype.
 
     ``None`` means float32, TransformerLens's own default; the global default dtype is never used,
     because it is what broke TransformerLens 3.0.0.
@@ -40,7 +40,7 @@ def resolve_dtype(value: object) -> torch.dtype:
 
 
 def key_value_heads(cfg: Any) -> int:
-    """Heads the cache stores: ``cfg.n_key_value_heads`` for grouped-query models, else ``cfg.n_heads``."""
+    """Heads the cache stores: ``cfg.n_key_value_heads`` (grouped-query) or else ``cfg.n_heads``."""
     heads = getattr(cfg, "n_key_value_heads", None)
     return int(heads if heads is not None else cfg.n_heads)
 
@@ -149,7 +149,9 @@ def _concat(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat([past.to(device=new.device, dtype=new.dtype), new], dim=1)
 
 
-def append(self: Any, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def append(
+    self: Any, new_keys: torch.Tensor, new_values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
     past_keys, past_values = self.past_keys, self.past_values
     _validate(self, past_keys, past_values, new_keys, new_values)
@@ -197,7 +199,9 @@ def append_attention_mask(self: Any, attention_mask: torch.Tensor) -> torch.Tens
     if previous.device != attention_mask.device:
         if previous.numel() == 0:
             # Empty tensors on meta cannot be copied anywhere: allocate a new one.
-            previous = torch.empty(previous.shape, dtype=previous.dtype, device=attention_mask.device)
+            previous = torch.empty(
+                previous.shape, dtype=previous.dtype, device=attention_mask.device
+            )
         else:
             previous = previous.to(attention_mask.device)
     updated = torch.cat([previous, attention_mask], dim=-1)

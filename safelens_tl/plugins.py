@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
@@ -78,7 +79,8 @@ def collect_patches(
         try:
             # pluggy lets an implementation take a subset of the specified arguments.
             offered = {"layout": layout}
-            answer = implementation.function(**{n: offered[n] for n in implementation.argnames})
+            arguments = {name: offered[name] for name in implementation.argnames}
+            answer: Any = implementation.function(**arguments)
             received = list(answer) if answer is not None else []
         except Exception as error:
             failures.append(Failure(source, "safelens_tl_patches", _describe(error)))

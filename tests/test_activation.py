@@ -19,8 +19,11 @@ PATCHED_ATTRIBUTES = {
 
 
 def class_attributes() -> dict[tuple[type, str], object]:
-    return {(owner, name): owner.__dict__.get(name) for owner, names in PATCHED_ATTRIBUTES.items()
-            for name in names}
+    return {
+        (owner, name): owner.__dict__.get(name)
+        for owner, names in PATCHED_ATTRIBUTES.items()
+        for name in names
+    }
 
 
 def test_activate_patches_and_reports() -> None:
@@ -96,8 +99,9 @@ def test_import_patch_in_a_fresh_interpreter() -> None:
         "assert targets.locate().entry_class.__dict__['append'] is kv_cache.append\n"
         "print(safelens_tl.status().active)\n"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                               check=False, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip().endswith("True")
 

@@ -18,7 +18,13 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
 def test_example_runs(script: Path) -> None:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                               env=environment, check=False, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.strip(), "an example should show its result"

@@ -74,9 +74,15 @@ def test_a_broken_cache_is_caught_by_the_tolerance(patched: Any) -> None:
 def test_stock_generate_fails_on_3_0_0(name: str, dtype: torch.dtype) -> None:
     """Without the patch the same call fails, so the tests above cannot pass vacuously."""
     model = model_for(name, dtype)
-    with pytest.raises(RuntimeError, match="expected scalar type|expected .*dtype|Float"):
-        model.generate(list(checks.PROMPTS), max_new_tokens=2, do_sample=False, verbose=False,
-                       use_past_kv_cache=True, padding_side="left")
+    with pytest.raises(RuntimeError, match=r"expected scalar type|expected .*dtype|Float"):
+        model.generate(
+            list(checks.PROMPTS),
+            max_new_tokens=2,
+            do_sample=False,
+            verbose=False,
+            use_past_kv_cache=True,
+            padding_side="left",
+        )
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -12,11 +12,59 @@ from typing import Any
 
 import torch
 
-WORDS = (
-    "the a an of to in on at for with cat dog bird fish tree house river stone cloud light "
-    "runs sleeps sings swims grows stands flows falls shines waits red blue green small big old "
-    "new quiet loud fast slow and but or then so because when while if not"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "on",
+    "at",
+    "for",
+    "with",
+    "cat",
+    "dog",
+    "bird",
+    "fish",
+    "tree",
+    "house",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "runs",
+    "sleeps",
+    "sings",
+    "swims",
+    "grows",
+    "stands",
+    "flows",
+    "falls",
+    "shines",
+    "waits",
+    "red",
+    "blue",
+    "green",
+    "small",
+    "big",
+    "old",
+    "new",
+    "quiet",
+    "loud",
+    "fast",
+    "slow",
+    "and",
+    "but",
+    "or",
+    "then",
+    "so",
+    "because",
+    "when",
+    "while",
+    "if",
+    "not",
+]
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 _tokenizer_folder: Path | None = None
@@ -32,7 +80,7 @@ def tokenizer_folder() -> Path:
         vocab = {token: index for index, token in enumerate((*SPECIAL, *WORDS))}
         core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         core.pre_tokenizer = pre_tokenizers.Whitespace()
-        wrapped = PreTrainedTokenizerFast(
+        wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
             tokenizer_object=core,
             bos_token="<bos>",
             eos_token="<eos>",
@@ -98,10 +146,13 @@ def _config_class() -> Any:
     return HookedTransformerConfig
 
 
-def build_model(name: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Any:
+def build_model(
+    name: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0, n_devices: int = 1
+) -> Any:
     """Build a built-in model (``gpt2-like`` or ``llama-like-gqa``) with fixed random weights.
 
     The weights are drawn in float32 and then cast, so every dtype sees the same model.
+    ``n_devices`` > 1 splits the blocks over that many GPUs, as TransformerLens does.
     """
     from transformer_lens import HookedTransformer
 
@@ -113,6 +164,7 @@ def build_model(name: str, dtype: torch.dtype, device: str = "cpu", seed: int = 
         dtype=torch.float32,
         device=device,
         seed=seed,
+        n_devices=n_devices,
         tokenizer_prepends_bos=True,
         default_prepend_bos=True,
     )
@@ -123,4 +175,7 @@ def build_model(name: str, dtype: torch.dtype, device: str = "cpu", seed: int = 
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
     # model.to(dtype) updates cfg.dtype too; model.half() would not (the model.half() trap).
-    return model.to(dtype).to(device)
+    model = model.to(dtype).to(device)
+    if n_devices > 1:
+        model.move_model_modules_to_device()
+    return model
