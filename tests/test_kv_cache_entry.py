@@ -307,3 +307,20 @@ def test_resolve_dtype_names() -> None:
     assert kv_cache.resolve_dtype(" torch.float16 ") == torch.float16
     with pytest.raises(ValueError, match="received 'int'"):
         kv_cache.resolve_dtype("int")
+
+
+def test_each_layer_keeps_the_device_of_its_own_computation(
+    patched: Any, cache_class: type
+) -> None:
+    """A model split over devices computes each layer on its own device; each entry follows it.
+
+    There is no second accelerator here, so the second "device" is ``meta`` (a real torch device
+    that computes shapes only), not a mock.
+    """
+    cache = cache_class.init_cache(make_cfg(n_heads=HEADS, d_head=D_HEAD), "cpu", BATCH)
+    for _ in range(3):
+        cache[0].append(*kv(1, device="cpu"))
+        cache[1].append(*kv(1, device="meta"))
+    assert cache[0].past_keys.device.type == "cpu" and cache[0].past_values.device.type == "cpu"
+    assert cache[1].past_keys.device.type == "meta" and cache[1].past_values.device.type == "meta"
+    assert cache[0].past_keys.shape[1] == cache[1].past_keys.shape[1] == 3
