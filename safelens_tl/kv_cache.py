@@ -129,7 +129,7 @@ def _validate(
                 f"Check the batch size given to init_cache and cfg.n_heads / n_key_value_heads "
                 f"/ d_head."
             )
-        if past.size(1) and past.device.type == "meta":
+        if past.size(1) and past.device.type == "meta" and new.device.type != "meta":
             raise ValueError(
                 f"{where}: the cached {label} hold {past.size(1)} positions on the meta device, "
                 f"which has no data to move to {new.device}; start a new cache on a real device."
