@@ -93,6 +93,10 @@ def activate() -> Status:
         if _state.active:
             return _state.report
         planned, patches = _plan()
+        if _state.active:
+            # _plan() imported transformer_lens, whose start-up hook has activated meanwhile
+            # (same thread, re-entrant lock): installing again would patch every attribute twice.
+            return _state.report
         failures = list(planned.failures)
         claimed: dict[tuple[type, str], str] = {}
         for patch in patches:

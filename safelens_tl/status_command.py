@@ -45,7 +45,7 @@ def _site_directories() -> list[Path]:
 
 
 def _recorded_hook_files() -> list[Path]:
-    """The hook file as the installed distribution's RECORD lists it (what pip uninstall removes)."""
+    """The hook file as the distribution's RECORD lists it (what pip uninstall removes)."""
     from importlib import metadata
 
     try:
@@ -57,7 +57,7 @@ def _recorded_hook_files() -> list[Path]:
 
 
 def hook_files() -> list[str]:
-    """Return the existing ``safelens_tl.pth`` files that ``site`` would process, without repeats."""
+    """Return the existing ``safelens_tl.pth`` files that ``site`` would process, once each."""
     candidates = [folder / PTH_NAME for folder in _site_directories()] + _recorded_hook_files()
     found: dict[str, None] = {}
     for candidate in candidates:
@@ -118,9 +118,7 @@ def problems(report: dict[str, Any]) -> list[str]:
         )
     elif expected and not activation["active"]:
         found.append("TransformerLens was imported but nothing was patched; see the failures")
-    found.extend(
-        f"{f['source']} ({f['stage']}): {f['message']}" for f in activation["failures"]
-    )
+    found.extend(f"{f['source']} ({f['stage']}): {f['message']}" for f in activation["failures"])
     return found
 
 

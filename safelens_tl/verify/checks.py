@@ -1,4 +1,4 @@
-"""Cached-against-uncached checks on a real ``HookedTransformer``, shared by the verifier and tests."""
+"""Cached-against-uncached checks on a real ``HookedTransformer``, for the verifier and tests."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def left_padding_mask(tokens: torch.Tensor, tokenizer: Any, prepend_bos: bool) -
     the pad token is also the BOS token (GPT-2's tokenizer), the last of that run is the BOS.
     """
     pad_id = tokenizer.pad_token_id
-    is_pad = tokens == pad_id
+    is_pad: torch.Tensor = tokens == pad_id
     leading = is_pad.long().cumprod(dim=1).sum(dim=1, keepdim=True)
     if prepend_bos and pad_id == tokenizer.bos_token_id:
         leading = (leading - 1).clamp_min(0)
@@ -122,7 +122,11 @@ def frozen_cache_control(model: Any, prompt_positions: int = 6) -> float:
 
 
 def expected_cache_heads(cfg: Any) -> int:
-    """Heads a correct cache stores: ``n_key_value_heads`` for grouped-query models, else ``n_heads``."""
+    """Heads a correct cache stores: ``n_key_value_heads`` (grouped-query) or else ``n_heads``.
+
+    Deliberately not taken from :mod:`safelens_tl.kv_cache`: the verifier must not trust the code
+    it checks.
+    """
     heads = getattr(cfg, "n_key_value_heads", None)
     return int(heads if heads is not None else cfg.n_heads)
 
@@ -144,7 +148,9 @@ def cache_problems(model: Any, cache: Any, length: int) -> list[str]:
         if keys.device != device:
             problems.append(f"layer {layer}: cache on {keys.device}, attention on {device}")
         if keys.shape[2] != expected_heads:
-            problems.append(f"layer {layer}: cache has {keys.shape[2]} heads, {expected_heads} expected")
+            problems.append(
+                f"layer {layer}: cache has {keys.shape[2]} heads, {expected_heads} expected"
+            )
         if keys.shape[1] != length:
             problems.append(f"layer {layer}: cache holds {keys.shape[1]} positions, {length} fed")
     return problems
@@ -168,8 +174,14 @@ class TimedGeneration:
 
 def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
     """Generate greedily on the left-padded batch of two, cached then uncached, and time both."""
-    common = {"max_new_tokens": max_new_tokens, "do_sample": False, "verbose": False,
-              "padding_side": "left", "stop_at_eos": False, "return_type": "tokens"}
+    common = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "verbose": False,
+        "padding_side": "left",
+        "stop_at_eos": False,
+        "return_type": "tokens",
+    }
     start = time.perf_counter()
     cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
     middle = time.perf_counter()

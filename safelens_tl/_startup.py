@@ -1,0 +1,177 @@
+"""The start-up hook: activate safelens-tl right after ``transformer_lens`` finishes importing.
+
+``safelens_tl.pth``, installed at the root of site-packages, runs ``install()`` in every Python
+process that processes site-packages. So this module may use only what ``site`` has already
+imported (``sys``, ``os``): no torch, pluggy, ``importlib.metadata``, ``warnings`` or ``typing``
+before ``transformer_lens`` itself is imported. Importing it has no side effect; ``install()`` does.
+
+The watcher is hand-written rather than wrapt's post-import hooks (``register_post_import_hook``):
+importing wrapt 2.x costs ~70 ms (it imports asyncio and ``importlib.metadata``), paid by every
+Python process, while this finder costs one string comparison per import.
+
+Watching the top-level package is enough: importing any ``transformer_lens.x`` submodule imports
+the package first, so the package's ``__init__`` has finished before the submodule is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# A name that mypy treats as true; importing ``typing`` for it would cost ~17 ms at start-up.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+#: The only environment variable the hook reads.
+ENV_VAR = "SAFELENS_TL_AUTOPATCH"
+#: Values of :data:`ENV_VAR` (case-insensitive, surrounding blanks ignored) that turn the hook off.
+OFF_VALUES = frozenset({"0", "false", "no", "off"})
+WATCHED = "transformer_lens"
+
+# What the hook did in this process, read by ``safelens-tl status``:
+INACTIVE = "inactive"  # install() never ran here (no .pth processed: python -S, hook not installed)
+DISABLED = "disabled"  # the opt-out was set
+WATCHING = "watching"  # waiting for the first import of transformer_lens
+ACTIVATED = "activated"  # safelens_tl.activate() ran (its own failures are in safelens_tl.status())
+FAILED = "failed"  # auto-activation raised; recorded in safelens_tl.status() and warned
+
+state = INACTIVE
+
+
+def enabled() -> bool:
+    """Return ``False`` when ``SAFELENS_TL_AUTOPATCH`` is one of ``0``/``false``/``no``/``off``."""
+    return os.environ.get(ENV_VAR, "").strip().lower() not in OFF_VALUES
+
+
+class _ActivatingLoader:
+    """Stands in for the real loader of ``transformer_lens`` for the length of one import.
+
+    Before the package executes, the real loader is put back on the spec and the module, so
+    nothing of this hook stays visible on ``transformer_lens``; after it executed, activate.
+    """
+
+    def __init__(self, spec: ModuleSpec, loader: object) -> None:
+        self._spec = spec
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> object:
+        # Anything else (get_resource_reader, is_package, ...) is answered by the real loader.
+        if name in {"_spec", "_loader"}:  # not set yet (copy/pickle): no endless recursion
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        """Delegate to the real loader."""
+        create: object = getattr(self._loader, "create_module", None)
+        return create(spec) if callable(create) else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Execute the package with the real loader, then activate safelens-tl once."""
+        self._spec.loader = self._loader  # type: ignore[assignment]
+        module.__loader__ = self._loader  # type: ignore[assignment]
+        self._loader.exec_module(module)  # type: ignore[attr-defined]
+        # Reached only when the package imported fine; after a failed import the watcher stays,
+        # so a retried import still gets patched.
+        uninstall()
+        activate_now()
+
+
+class _Watcher:
+    """A meta-path finder that answers only for ``transformer_lens``, to wrap its loader."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        """Return the spec the other finders give ``transformer_lens``, with its loader wrapped."""
+        if fullname != WATCHED:
+            return None
+        if not enabled():  # the opt-out may be set in os.environ after start-up (notebooks)
+            _disable()
+            return None
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec: ModuleSpec | None = find_spec(fullname, path, target)
+            if spec is None:
+                continue
+            if hasattr(spec.loader, "exec_module"):
+                spec.loader = _ActivatingLoader(spec, spec.loader)  # type: ignore[assignment]
+            return spec
+        return None
+
+
+_WATCHER = _Watcher()
+
+
+def install() -> str:
+    """Arm the watcher, or activate at once when ``transformer_lens`` is already imported.
+
+    Called by ``safelens_tl.pth`` at start-up; safe to call again. Returns the new :data:`state`.
+    """
+    global state
+    if not enabled():
+        _disable()
+        return state
+    module = sys.modules.get(WATCHED)
+    spec = getattr(module, "__spec__", None)
+    if module is not None and not getattr(spec, "_initializing", False):
+        activate_now()
+        return state
+    if _WATCHER not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCHER)
+    state = WATCHING
+    return state
+
+
+def _disable() -> None:
+    global state
+    uninstall()
+    state = DISABLED
+
+
+def uninstall() -> None:
+    """Remove the watcher from ``sys.meta_path`` (nothing happens when it is not there)."""
+    while _WATCHER in sys.meta_path:
+        sys.meta_path.remove(_WATCHER)
+
+
+def activate_now() -> None:
+    """Activate safelens-tl; turn any exception into a warning and a ``status()`` entry.
+
+    Never raises (except ``KeyboardInterrupt``/``SystemExit``): the import that triggered it
+    must finish whatever happens here.
+    """
+    global state
+    if not enabled():
+        _disable()
+        return
+    try:
+        import safelens_tl
+
+        safelens_tl.activate()
+    except Exception as error:
+        state = FAILED
+        _report(error)
+        return
+    state = ACTIVATED
+
+
+def _report(error: Exception) -> None:
+    message = (
+        f"automatic activation on `import {WATCHED}` failed ({type(error).__name__}: {error}); "
+        f"TransformerLens works but is not patched. Try `import safelens_tl.patch` to see the "
+        f"error, or set {ENV_VAR}=0 to turn the start-up hook off"
+    )
+    try:
+        from safelens_tl import activation
+        from safelens_tl.plugins import Failure
+
+        activation.record_failure(Failure("safelens_tl._startup", "auto-activate", message))
+    except Exception:  # the report itself cannot be built (e.g. pluggy missing): warn plainly
+        import warnings
+
+        warnings.warn(f"safelens-tl: {message}", RuntimeWarning, stacklevel=2)

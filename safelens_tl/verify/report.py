@@ -1,0 +1,196 @@
+"""The verifier's report: one result per check, a rich table, a summary line and a JSON writer."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass
+class CheckResult:
+    """One check of one model in one dtype on one device.
+
+    ``kind`` is ``"generate"`` (a HookedTransformer), ``"cache-class"`` (the cache classes
+    alone) or ``"bridge"`` (TransformerBridge). Fields a kind does not measure stay ``None``.
+    """
+
+    model: str
+    dtype: str
+    device: str
+    kind: str = "generate"
+    passed: bool = False
+    max_rel_err: float | None = None
+    tolerance: float | None = None
+    generate_ok: bool | None = None
+    greedy_agreement: float | None = None
+    cache_dtype: str | None = None
+    cache_device: str | None = None
+    cache_heads: int | None = None
+    expected_cache_heads: int | None = None
+    ms_per_token_cached: float | None = None
+    ms_per_token_uncached: float | None = None
+    speedup: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON; ``error`` appears only on a failed check."""
+        data = asdict(self)
+        if self.error is None:
+            del data["error"]
+        return data
+
+
+@dataclass
+class Report:
+    """Everything one ``verify`` run found."""
+
+    patched: bool
+    transformer_lens: str | None
+    torch: str
+    safelens_tl: str
+    checks: list[CheckResult] = field(default_factory=list)
+    not_checked: list[str] = field(default_factory=list)
+    diagnostics: list[str] = field(default_factory=list)
+    tolerances: dict[str, float] = field(default_factory=dict)
+    control: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True when there was at least one check and every check passed."""
+        return bool(self.checks) and all(check.passed for check in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON, ``passed`` first."""
+        data: dict[str, Any] = {"passed": self.passed}
+        data.update(asdict(self))
+        data["checks"] = [check.to_dict() for check in self.checks]
+        return data
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cache_cell(check: CheckResult) -> str:
+    if check.cache_dtype is None:
+        return "-"
+    return f"{check.cache_dtype} {check.cache_device} {check.cache_heads}h"
+
+
+def _error_cell(check: CheckResult) -> str:
+    if check.max_rel_err is None:
+        return "-"
+    if check.tolerance is None:
+        return f"{check.max_rel_err:.1e}"
+    relation = "<=" if check.max_rel_err <= check.tolerance else ">"
+    return f"{check.max_rel_err:.1e} {relation} {check.tolerance:.0e}"
+
+
+def table(report: Report) -> Table:
+    """The human-readable table: one row per check."""
+    result = Table(
+        title="safelens-tl verify: cached against uncached generation",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("model", "dtype", "device", "result", "max rel err <= tol"):
+        result.add_column(column, no_wrap=True)
+    result.add_column("greedy agree", justify="right")
+    result.add_column("cache", no_wrap=True)
+    result.add_column("ms/tok cached", justify="right")
+    result.add_column("ms/tok uncached", justify="right")
+    result.add_column("speed-up", justify="right")
+    for check in report.checks:
+        verdict = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
+        agreement = "-" if check.greedy_agreement is None else f"{check.greedy_agreement:.0%}"
+        result.add_row(
+            check.model,
+            check.dtype,
+            check.device,
+            verdict,
+            _error_cell(check),
+            agreement,
+            _cache_cell(check),
+            _number(check.ms_per_token_cached, ".0f"),
+            _number(check.ms_per_token_uncached, ".0f"),
+            "-" if check.speedup is None else f"{check.speedup:.2f}x",
+        )
+    return result
+
+
+def summary_line(report: Report) -> str:
+    """One line: verdict, counts, what was run, and how long it took."""
+    failed = [check for check in report.checks if not check.passed]
+    patch = "patched" if report.patched else "NOT patched (stock TransformerLens)"
+    where = f"TransformerLens {report.transformer_lens}, torch {report.torch}, {patch}"
+    if not report.checks:
+        return f"FAILED: no check could run ({where}) in {report.seconds:.1f} s"
+    if failed:
+        return (
+            f"FAILED: {len(failed)} of {len(report.checks)} checks failed ({where}) "
+            f"in {report.seconds:.1f} s"
+        )
+    return (
+        f"PASSED: all {len(report.checks)} checks: cached generation matches uncached ({where}) "
+        f"in {report.seconds:.1f} s"
+    )
+
+
+def render(report: Report, console: Console) -> None:
+    """Print the table, the errors of failed checks, notes, diagnostics and the summary line."""
+    console.print(table(report))
+    for check in report.checks:
+        if check.error:
+            console.print(
+                f"[red]x[/] {check.model} {check.dtype} {check.device}: {check.error}",
+                highlight=False,
+            )
+    if report.control is not None:
+        control = report.control
+        console.print(
+            f"Control: a frozen cache (it drops every past token) on {control['model']} "
+            f"{control['dtype']} gives max rel err {control['max_rel_err']:.2f}, "
+            f"{control['max_rel_err'] / control['tolerance']:.0f}x the tolerance: the "
+            f"comparison sees a broken cache.",
+            highlight=False,
+        )
+    for note in report.not_checked:
+        console.print(f"[yellow]Not checked:[/] {note}", highlight=False)
+    for diagnostic in report.diagnostics:
+        console.print(f"[bold yellow]Diagnostic:[/] {diagnostic}", highlight=False)
+    style = "bold green" if report.passed else "bold red"
+    console.print(summary_line(report), style=style, highlight=False)
+
+
+class ReportPathError(ValueError):
+    """The JSON report cannot be written where the user asked."""
+
+
+def check_writable(path: Path) -> None:
+    """Raise :class:`ReportPathError` when ``path`` cannot be written; called before any check."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ReportPathError(f"--json {path}: is a folder; give a file name such as {path}/x.json")
+    if not folder.is_dir():
+        raise ReportPathError(f"--json {path}: folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ReportPathError(f"--json {path}: not writable; choose a path you can write to")
+
+
+def write_json(report: Report, path: Path) -> None:
+    """Write the report as indented JSON; raise :class:`ReportPathError` when that fails."""
+    try:
+        path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        raise ReportPathError(
+            f"--json {path}: cannot write the report ({error.strerror})"
+        ) from error

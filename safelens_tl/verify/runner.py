@@ -1,0 +1,444 @@
+"""Run the verifier's checks and collect a :class:`~safelens_tl.verify.report.Report`.
+
+Every check catches its own exceptions: a check that raises is a failed check whose ``error`` says
+what was raised, never a crash of the run. TransformerLens prints progress chatter ("Moving model
+to device") and warnings while models are built; both are kept out of the report's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from safelens_tl.verify import checks, diagnostics
+from safelens_tl.verify.report import CheckResult, Report
+
+DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+#: Tokens each ``generate`` call adds (agreement and timing).
+GENERATE_TOKENS = 8
+SPLIT_DEVICE = "cuda (2 GPUs)"
+
+
+class Listener(Protocol):
+    """Told about each check as it starts and ends (the command's progress display)."""
+
+    def planned(self, total: int) -> None:
+        """``total`` checks are about to run."""
+
+    def started(self, label: str) -> None:
+        """A check labelled ``label`` is about to run."""
+
+    def finished(self, result: CheckResult) -> None:
+        """A check has ended with ``result``."""
+
+
+class _Silent:
+    def planned(self, total: int) -> None:
+        pass
+
+    def started(self, label: str) -> None:
+        pass
+
+    def finished(self, result: CheckResult) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Task:
+    """One planned check: a label for the progress display and the function that runs it."""
+
+    label: str
+    run: Callable[[], CheckResult]
+
+
+class ModelLoadError(RuntimeError):
+    """``--model NAME`` could not be loaded (unknown name, offline and not cached, ...)."""
+
+
+@contextlib.contextmanager
+def quietly() -> Iterator[None]:
+    """Keep TransformerLens's prints, log records and warnings out of the verifier's output.
+
+    TransformerLens logs advice such as "float16 models may not work on CPU" to the root logger;
+    the report says what actually works, so the advice is held back while the checks run.
+    """
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def short_error(error: BaseException, limit: int = 240) -> str:
+    """``Type: first line of the message``, cut before long lists and at ``limit`` characters."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text.split(" Valid official model names", 1)[0]
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The tolerance of ``dtype``; dtypes without one (float64) use float32's."""
+    return checks.TOLERANCES.get(dtype, checks.TOLERANCES[torch.float32])
+
+
+def _device_text(model: Any) -> str:
+    n_devices = int(getattr(model.cfg, "n_devices", 1) or 1)
+    device = torch.device(model.cfg.device).type
+    return f"{device} ({n_devices} GPUs)" if n_devices > 1 else device
+
+
+def _record_cache(result: CheckResult, model: Any, cache: Any) -> None:
+    keys = cache.entries[0].past_keys
+    result.cache_dtype = diagnostics.dtype_name(keys.dtype)
+    result.cache_device = keys.device.type
+    result.cache_heads = int(keys.shape[2])
+    result.expected_cache_heads = checks.expected_cache_heads(model.cfg)
+
+
+def check_hooked(model: Any, name: str) -> CheckResult:
+    """Run every check on a ``HookedTransformer`` as it is (its own dtype and device)."""
+    dtype = model.cfg.dtype
+    result = CheckResult(
+        model=name,
+        dtype=diagnostics.dtype_name(dtype),
+        device=_device_text(model),
+        tolerance=tolerance_for(dtype),
+    )
+    problems: list[str] = []
+    trap = diagnostics.half_trap(model)
+    if trap is not None:
+        problems.append(trap)
+    raised: dict[str, list[str]] = {}
+    try:
+        forced = checks.teacher_forced(model)
+        result.max_rel_err = forced.max_rel_err
+        _record_cache(result, model, forced.cache)
+        problems.extend(checks.cache_problems(model, forced.cache, forced.cached.shape[1]))
+        # Written as "not <=" so that a NaN error fails too.
+        if not result.max_rel_err <= (result.tolerance or 0.0):
+            problems.append(
+                f"cached logits differ from uncached by {result.max_rel_err:.2e} (relative), "
+                f"above the {result.dtype} tolerance {result.tolerance:.0e}"
+            )
+    except Exception as error:
+        raised.setdefault(short_error(error), []).append("the cached forward")
+    try:
+        timed = checks.timed_generation(model, GENERATE_TOKENS)
+        result.generate_ok = timed.cached_tokens.shape[0] == len(checks.PROMPTS)
+        result.greedy_agreement = timed.agreement
+        result.ms_per_token_cached = 1000 * timed.seconds_cached / timed.new_tokens
+        result.ms_per_token_uncached = 1000 * timed.seconds_uncached / timed.new_tokens
+        result.speedup = timed.speedup
+    except Exception as error:
+        result.generate_ok = False
+        raised.setdefault(short_error(error), []).append("generate(use_past_kv_cache=True)")
+    for message, places in raised.items():
+        problems.append(f"{' and '.join(places)} raised {message}")
+    result.passed = not problems
+    result.error = "; ".join(problems) or None
+    return result
+
+
+def _timed(run: Callable[[], CheckResult]) -> CheckResult:
+    start = time.perf_counter()
+    with quietly():
+        result = run()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _guarded(model: str, dtype: torch.dtype, device: str, run: Callable[[], CheckResult]) -> Task:
+    """Wrap ``run`` so that an exception (e.g. while building the model) is a failed check."""
+
+    def guarded() -> CheckResult:
+        try:
+            return run()
+        except Exception as error:
+            return CheckResult(
+                model=model,
+                dtype=diagnostics.dtype_name(dtype),
+                device=device,
+                tolerance=tolerance_for(dtype),
+                error=short_error(error),
+            )
+
+    return Task(f"{model} {diagnostics.dtype_name(dtype)} {device}", lambda: _timed(guarded))
+
+
+def run_tasks(tasks: Sequence[Task], listener: Listener | None = None) -> list[CheckResult]:
+    """Run the tasks in order, telling ``listener``; return their results."""
+    listener = listener or _Silent()
+    results = []
+    listener.planned(len(tasks))
+    for task in tasks:
+        listener.started(task.label)
+        result = task.run()
+        listener.finished(result)
+        results.append(result)
+    return results
+
+
+def _new_report() -> Report:
+    import safelens_tl
+    from safelens_tl import targets
+
+    return Report(
+        patched=safelens_tl.is_active(),
+        transformer_lens=targets.installed_release(),
+        torch=torch.__version__,
+        safelens_tl=safelens_tl.__version__,
+        tolerances={diagnostics.dtype_name(d): t for d, t in checks.TOLERANCES.items()},
+    )
+
+
+def default_devices() -> list[str]:
+    """``cpu``, plus ``cuda`` when torch sees a GPU."""
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _device_notes(devices: Sequence[str]) -> list[str]:
+    notes = []
+    if not torch.cuda.is_available():
+        notes.append("cuda: torch sees no GPU here, so only the cpu was checked")
+    elif any(d.startswith("cuda") for d in devices) and torch.cuda.device_count() < 2:
+        notes.append("a model split over two GPUs: torch sees only one GPU")
+    return notes
+
+
+def _split(devices: Sequence[str]) -> bool:
+    """Whether to add a model split over two GPUs (cuda requested and two GPUs present)."""
+    wanted = any(d.startswith("cuda") for d in devices)
+    return wanted and torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def _has_hooked_transformer() -> bool:
+    from safelens_tl import targets
+
+    return targets.locate().known.has_hooked_transformer
+
+
+def _builtin_hooked_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+    from safelens_tl.verify import models
+
+    tasks = []
+    placements = [(device, 1) for device in devices]
+    if _split(devices):
+        placements.append(("cuda", 2))
+    for name in models.BUILTIN_MODELS:
+        for dtype in dtypes:
+            for device, n_devices in placements:
+                label = SPLIT_DEVICE if n_devices > 1 else device
+
+                def run(
+                    name: str = name,
+                    dtype: torch.dtype = dtype,
+                    device: str = device,
+                    n_devices: int = n_devices,
+                ) -> CheckResult:
+                    model = models.build_model(name, dtype, device, n_devices=n_devices)
+                    return check_hooked(model, name)
+
+                tasks.append(_guarded(name, dtype, label, run))
+    return tasks
+
+
+def _cache_class_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+    from safelens_tl.verify import cache_class_checks
+
+    tasks = []
+    for dtype in dtypes:
+        for device in devices:
+
+            def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
+                problems = cache_class_checks.cache_class_problems(dtype, device)
+                return CheckResult(
+                    model="cache classes (GQA)",
+                    dtype=diagnostics.dtype_name(dtype),
+                    device=device,
+                    kind="cache-class",
+                    passed=not problems,
+                    cache_heads=cache_class_checks.N_KEY_VALUE_HEADS if not problems else None,
+                    expected_cache_heads=cache_class_checks.N_KEY_VALUE_HEADS,
+                    error="; ".join(problems) or None,
+                )
+
+            tasks.append(_guarded("cache classes (GQA)", dtype, device, run))
+    return tasks
+
+
+def _bridge_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+    from safelens_tl.verify import bridge
+
+    tasks = []
+    for dtype in dtypes:
+        for device in devices:
+
+            def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
+                measured = bridge.run_bridge(dtype, device)
+                result = CheckResult(
+                    model=bridge.MODEL_NAME,
+                    dtype=diagnostics.dtype_name(dtype),
+                    device=device,
+                    kind="bridge",
+                    tolerance=tolerance_for(dtype),
+                    max_rel_err=measured.max_rel_err,
+                    generate_ok=True,
+                    greedy_agreement=measured.agreement,
+                    ms_per_token_cached=1000 * measured.seconds_cached / bridge.NEW_TOKENS,
+                    ms_per_token_uncached=1000 * measured.seconds_uncached / bridge.NEW_TOKENS,
+                    speedup=measured.seconds_uncached / max(measured.seconds_cached, 1e-9),
+                )
+                result.passed = measured.max_rel_err <= (result.tolerance or 0.0)
+                if not result.passed:
+                    result.error = (
+                        f"TransformerBridge's cached generate gives logits that differ from an "
+                        f"uncached forward by {measured.max_rel_err:.2e} (relative), above the "
+                        f"tolerance {result.tolerance:.0e}; this is TransformerLens's own "
+                        f"Hugging Face cache path, which safelens-tl does not patch"
+                    )
+                return result
+
+            tasks.append(_guarded(bridge.MODEL_NAME, dtype, device, run))
+    return tasks
+
+
+def _control(dtypes: Sequence[torch.dtype]) -> dict[str, Any] | None:
+    """Run the frozen-cache control once; ``None`` when it cannot run."""
+    from safelens_tl.verify import models
+
+    try:
+        with quietly():
+            model = models.build_model("gpt2-like", torch.float32, "cpu")
+            error = checks.frozen_cache_control(model)
+    except Exception:
+        return None
+    loosest = max(tolerance_for(dtype) for dtype in dtypes)
+    return {
+        "model": "gpt2-like",
+        "dtype": "float32",
+        "device": "cpu",
+        "max_rel_err": error,
+        "tolerance": loosest,
+    }
+
+
+def builtin_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+    """The default run: built-in models where HookedTransformer exists, cache classes, bridge."""
+    tasks: list[Task] = []
+    if _has_hooked_transformer():
+        tasks.extend(_builtin_hooked_tasks(dtypes, devices))
+    tasks.extend(_cache_class_tasks(dtypes, devices))
+    if not _has_hooked_transformer():
+        tasks.extend(_bridge_tasks(dtypes, devices))
+    return tasks
+
+
+def verify_builtin(
+    dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
+    devices: Sequence[str] | None = None,
+    listener: Listener | None = None,
+) -> Report:
+    """Check the built-in tiny models (nothing downloaded) in each dtype on each device."""
+    start = time.perf_counter()
+    devices = list(devices) if devices is not None else default_devices()
+    report = _new_report()
+    report.checks = run_tasks(builtin_tasks(dtypes, devices), listener)
+    if _has_hooked_transformer():
+        report.control = _control(dtypes)
+    else:
+        release = report.transformer_lens
+        report.not_checked.append(
+            f"HookedTransformer.generate: TransformerLens {release} has no HookedTransformer; "
+            "the patched cache classes were checked directly instead"
+        )
+        report.not_checked.append(
+            "TransformerBridge keeps its cache in Hugging Face cache objects, which safelens-tl "
+            "does not patch: their dtype, device and heads were not inspected, only the logits"
+        )
+    report.not_checked.extend(_device_notes(devices))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
+    """``HookedTransformer.from_pretrained(name)``; raise :class:`ModelLoadError` on any failure."""
+    if not _has_hooked_transformer():
+        from safelens_tl import targets
+
+        raise ModelLoadError(
+            f"--model needs HookedTransformer, which TransformerLens "
+            f"{targets.installed_release()} does not have; run without --model"
+        )
+    from transformer_lens import HookedTransformer
+
+    try:
+        with quietly():
+            return HookedTransformer.from_pretrained(name, dtype=dtype, device=device)
+    except Exception as error:
+        raise ModelLoadError(
+            f"cannot load model {name!r} with HookedTransformer.from_pretrained "
+            f"({short_error(error)}); check the name, and when offline (HF_HUB_OFFLINE=1) "
+            f"download it once while online"
+        ) from error
+
+
+def verify_pretrained(
+    name: str,
+    dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
+    devices: Sequence[str] | None = None,
+    listener: Listener | None = None,
+) -> Report:
+    """Load ``name`` once, then check it converted to each dtype on each device.
+
+    Raises :class:`ModelLoadError` when the model cannot be loaded.
+    """
+    start = time.perf_counter()
+    devices = list(devices) if devices is not None else default_devices()
+    model = load_pretrained(name, dtypes[0], devices[0])
+    tasks = []
+    for dtype in dtypes:
+        for device in devices:
+
+            def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
+                # model.to(dtype) updates cfg.dtype as well; .half() would not.
+                return check_hooked(model.to(dtype).to(device), name)
+
+            tasks.append(_guarded(name, dtype, device, run))
+    report = _new_report()
+    report.checks = run_tasks(tasks, listener)
+    report.not_checked.extend(_device_notes(devices))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def verify_model(model: Any, name: str | None = None, listener: Listener | None = None) -> Report:
+    """Check a ``HookedTransformer`` the caller already has, in its own dtype and on its device.
+
+    The model is not converted or moved, and safelens-tl's activation is left as it is (the
+    report's ``patched`` says which it was). A model whose weights' dtype differs from
+    ``cfg.dtype`` (the ``model.half()`` trap) fails with a diagnostic that names the fix.
+    """
+    start = time.perf_counter()
+    label = name or str(getattr(model.cfg, "model_name", None) or type(model).__name__)
+    dtype = model.cfg.dtype if isinstance(model.cfg.dtype, torch.dtype) else torch.float32
+    task = _guarded(label, dtype, _device_text(model), lambda: check_hooked(model, label))
+    report = _new_report()
+    report.checks = run_tasks([task], listener)
+    trap = diagnostics.half_trap(model)
+    if trap is not None:
+        report.diagnostics.append(f"{label}: {trap}")
+    report.seconds = time.perf_counter() - start
+    return report

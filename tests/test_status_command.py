@@ -1,0 +1,122 @@
+"""``safelens-tl status``: the installed console script in fresh interpreters, and its report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import safelens_tl
+from safelens_tl import _startup, status_command, targets
+from tests.test_autoactivate import Child, Results, started
+
+SCRIPT = Path(sys.executable).with_name("safelens-tl")
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
+    """The installed console script, with the hook enabled and with the opt-out."""
+    command = (str(SCRIPT), "status", "--json")
+    plan = {
+        "enabled": Child(command=command),
+        "opted_out": Child(command=command, env={_startup.ENV_VAR: "0"}),
+    }
+    with started(plan, tmp_path_factory.mktemp("status")) as futures:
+        yield futures
+
+
+def report_of(children: Results, name: str) -> tuple[int, Any]:
+    """Exit code and parsed JSON of one console-script run."""
+    completed = children[name].result()
+    assert completed.stdout.strip(), completed.stderr[-4000:]
+    return completed.returncode, json.loads(completed.stdout)
+
+
+def test_console_script_is_installed() -> None:
+    assert SCRIPT.is_file(), f"{SCRIPT} missing: is safelens-tl installed in {sys.prefix}?"
+
+
+def test_status_json_shows_the_hook_and_what_it_patched(
+    children: Results, patched: safelens_tl.activation.Status
+) -> None:
+    code, report = report_of(children, "enabled")
+    assert code == status_command.EXIT_OK, report["problems"]
+    assert report["problems"] == []
+    hook = report["hook"]
+    assert hook["installed"] and hook["enabled"] and hook["env_value"] is None
+    assert [Path(f).name for f in hook["files"]] == [status_command.PTH_NAME]
+    assert hook["state"] == _startup.ACTIVATED
+    assert report["transformer_lens"] == {
+        "importable": True,
+        "release": targets.installed_release(),
+        "error": None,
+    }
+    # The same patches this process gets from an explicit activate().
+    assert report["activation"]["active"]
+    assert report["activation"]["patched"] == list(patched.patched)
+    assert report["activation"]["plugins"] == list(patched.plugins)
+
+
+def test_status_json_with_the_opt_out(children: Results) -> None:
+    code, report = report_of(children, "opted_out")
+    assert code == status_command.EXIT_OK, report["problems"]
+    assert report["hook"]["installed"] and not report["hook"]["enabled"]
+    assert report["hook"]["env_value"] == "0"
+    assert report["hook"]["state"] == _startup.DISABLED
+    assert report["transformer_lens"]["importable"]
+    assert not report["activation"]["active"] and report["activation"]["patched"] == []
+
+
+def test_human_output_lists_release_state_and_every_patch(
+    patched: safelens_tl.activation.Status,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # rich folds long values at the terminal width
+    code = status_command.run(argparse.Namespace(json=False))
+    shown = capsys.readouterr().out
+    assert "hook installed" in shown and "hook enabled" in shown
+    assert f"{targets.installed_release()}, importable: yes" in shown
+    for target in patched.patched:
+        assert target in shown
+    assert ("problem:" in shown) == (code == status_command.EXIT_PROBLEM)
+
+
+def real_report() -> dict[str, Any]:
+    """This process's real report (TransformerLens imported and activated by the fixtures)."""
+    return status_command.collect()
+
+
+def test_problems_name_the_remedy_when_the_hook_is_missing(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    report = real_report()
+    report["hook"] = {**report["hook"], "installed": False, "files": []}
+    (problem,) = status_command.problems(report)
+    assert "not in any site-packages folder" in problem and "import safelens_tl.patch" in problem
+
+
+def test_problems_when_the_hook_did_not_run_in_this_interpreter() -> None:
+    report = real_report()
+    report["hook"] = {**report["hook"], "enabled": True, "state": _startup.INACTIVE}
+    found = status_command.problems(report)
+    assert any("python -S" in p for p in found), found
+
+
+def test_problems_report_activation_failures(patched: safelens_tl.activation.Status) -> None:
+    report = real_report()
+    failure = {"source": "some-plugin:fix", "stage": "load", "message": "ImportError: gone"}
+    report["activation"] = {**report["activation"], "failures": [failure]}
+    assert "some-plugin:fix (load): ImportError: gone" in status_command.problems(report)
+
+
+def test_hook_files_are_the_installed_pth() -> None:
+    files = status_command.hook_files()
+    assert files, "no safelens_tl.pth found in any site-packages folder"
+    for file in files:
+        assert Path(file).read_text().startswith("import safelens_tl._startup")

@@ -1,0 +1,165 @@
+"""``safelens-tl verify`` end to end: ``python -m safelens_tl verify`` in child processes.
+
+The children that import TransformerLens start together when the module is loaded, two at a time,
+so their imports overlap; the usage errors that never import it run on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import HAS_HOOKED_TRANSFORMER, RELEASE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished child: exit code, output and the JSON report when one was asked for."""
+
+    code: int
+    stdout: str
+    stderr: str
+    report: dict[str, Any] | None
+
+
+def _environment(quiet_warnings: bool) -> dict[str, str]:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if quiet_warnings:
+        # The usage-error tests count lines on stderr: third-party warnings at import time are
+        # not the verifier's message.
+        environment["PYTHONWARNINGS"] = "ignore"
+    return environment
+
+
+def verify(*arguments: str, json_path: Path | None = None, quiet_warnings: bool = False) -> Run:
+    """Run ``python -m safelens_tl verify ARGUMENTS`` and collect what it left."""
+    command = [sys.executable, "-m", "safelens_tl", "verify", *arguments]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=_environment(quiet_warnings),
+    )
+    report = None
+    if json_path is not None and json_path.is_file():
+        report = json.loads(json_path.read_text(encoding="utf-8"))
+    return Run(done.returncode, done.stdout, done.stderr, report)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Run]]:
+    """Start the children that import TransformerLens, two at a time."""
+    folder = tmp_path_factory.mktemp("verify")
+    pool = ThreadPoolExecutor(max_workers=2)
+    started = {
+        "default": pool.submit(verify, json_path=folder / "default.json"),
+        "unknown model": pool.submit(
+            verify, "--model", "no-such-org/no-such-model", quiet_warnings=True
+        ),
+    }
+    if RELEASE == "3.0.0":
+        started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
+    pool.shutdown(wait=False)
+    return started
+
+
+def test_default_run_writes_a_valid_report(runs: dict[str, Future[Run]]) -> None:
+    run = runs["default"].result()
+    report = run.report
+    assert report is not None, run.stderr
+    for key in ("passed", "patched", "transformer_lens", "torch", "checks"):
+        assert key in report
+    assert report["patched"] is True
+    assert report["transformer_lens"] == RELEASE
+    assert report["checks"], "no check ran"
+    for check in report["checks"]:
+        for key in ("model", "dtype", "device", "passed", "max_rel_err"):
+            assert key in check
+        assert check["dtype"] in ("float16", "bfloat16")
+        assert check["device"] == "cpu" or check["device"].startswith("cuda")
+        assert check["passed"] == ("error" not in check)
+    assert {c["dtype"] for c in report["checks"]} == {"float16", "bfloat16"}
+    # Exit code and report agree, and the summary line says the same.
+    assert run.code == (0 if report["passed"] else 1)
+    assert ("PASSED" if report["passed"] else "FAILED") in run.stdout
+    assert "cached against uncached" in run.stdout  # the table's title
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="no HookedTransformer to generate with")
+def test_default_run_passes_where_hooked_transformer_exists(runs: dict[str, Future[Run]]) -> None:
+    run = runs["default"].result()
+    assert run.code == 0, run.stdout + run.stderr
+    assert run.report is not None and run.report["passed"] is True
+    generate = [c for c in run.report["checks"] if c["kind"] == "generate"]
+    assert {c["model"] for c in generate} == {"gpt2-like", "llama-like-gqa"}
+    for check in generate:
+        assert check["max_rel_err"] <= check["tolerance"]
+        assert check["cache_dtype"] == check["dtype"]
+        assert check["cache_heads"] == check["expected_cache_heads"]
+        assert 0.0 <= check["greedy_agreement"] <= 1.0
+        assert check["speedup"] > 0
+
+
+@pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="only releases without HookedTransformer")
+def test_without_hooked_transformer_the_cache_classes_pass_and_gaps_are_named(
+    runs: dict[str, Future[Run]],
+) -> None:
+    report = runs["default"].result().report
+    assert report is not None
+    cache_checks = [c for c in report["checks"] if c["kind"] == "cache-class"]
+    assert cache_checks and all(c["passed"] for c in cache_checks)
+    assert any("no HookedTransformer" in note for note in report["not_checked"])
+
+
+@pytest.mark.skipif(RELEASE != "3.0.0", reason="the dtype regression is TransformerLens 3.0.0's")
+def test_no_patch_on_300_fails_in_float16_and_bfloat16(runs: dict[str, Future[Run]]) -> None:
+    run = runs["no patch"].result()
+    assert run.code == 1, run.stdout + run.stderr
+    assert run.report is not None and run.report["patched"] is False
+    failed = [c for c in run.report["checks"] if c["kind"] == "generate" and not c["passed"]]
+    assert {c["dtype"] for c in failed} == {"float16", "bfloat16"}
+    assert all("expected scalar type Float" in c["error"] for c in failed)
+
+
+def _assert_one_clear_line(run: Run, *words: str) -> None:
+    assert run.code == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("safelens-tl verify: error:")
+    for word in words:
+        assert word in lines[0]
+
+
+def test_unknown_offline_model_is_one_line_and_exit_2(runs: dict[str, Future[Run]]) -> None:
+    run = runs["unknown model"].result()
+    if HAS_HOOKED_TRANSFORMER:
+        _assert_one_clear_line(run, "no-such-org/no-such-model", "offline")
+    else:  # --model cannot work at all there; the line says why
+        _assert_one_clear_line(run, "--model", "HookedTransformer")
+
+
+def test_bad_dtype_is_one_line_and_exit_2() -> None:
+    # Other bad values (empty, mixed lists) are covered in-process in test_verify_api.py.
+    run = verify("--dtype", "float16,float8", quiet_warnings=True)
+    _assert_one_clear_line(run, "--dtype", "'float8'", "float16, bfloat16, float32")
+
+
+def test_unwritable_json_path_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    missing_folder = tmp_path / "no" / "such" / "folder" / "report.json"
+    run = verify(json_path=missing_folder, quiet_warnings=True)
+    _assert_one_clear_line(run, "--json", str(missing_folder), "does not exist")
+    assert not missing_folder.exists()
