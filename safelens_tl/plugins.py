@@ -31,6 +31,10 @@ class Failure:
         return f"{self.source} ({self.stage}): {self.message}"
 
 
+#: Module of the built-in plugin (registered through the same entry-point group as any other).
+BUILTIN = "safelens_tl.builtin_plugin"
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -74,7 +78,13 @@ def collect_patches(
     """Ask each registered plugin for its patches; validate each answer on its own."""
     patches: list[Patch] = []
     failures: list[Failure] = []
-    for implementation in manager.hook.safelens_tl_patches.get_hookimpls():
+    # The built-in fix answers first, so it claims its attributes even when a third-party plugin
+    # sits earlier on sys.path; a conflicting plugin is then the one reported and skipped.
+    implementations = sorted(
+        manager.hook.safelens_tl_patches.get_hookimpls(),
+        key=lambda implementation: getattr(implementation.plugin, "__name__", "") != BUILTIN,
+    )
+    for implementation in implementations:
         source = implementation.plugin_name
         try:
             # pluggy lets an implementation take a subset of the specified arguments.

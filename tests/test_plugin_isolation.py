@@ -1,0 +1,284 @@
+"""Broken third-party plugins are reported and skipped; the built-in fix stays active.
+Start-up safety: the hook reads one variable and loads plugins only from installed distributions.
+
+The plugins are REAL installed distributions: a temporary site folder holds, for each, a
+``<name>-0.1.dist-info`` (``METADATA`` + ``entry_points.txt`` in the ``safelens_tl`` group) and its
+module. A fresh interpreter with that folder on ``PYTHONPATH`` finds them through
+``importlib.metadata`` exactly as it would find a ``pip install``-ed plugin, then imports
+``transformer_lens`` (the start-up hook activates there when installed) and asks for the report.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import safelens_tl
+from safelens_tl import _startup
+from tests.conftest import RELEASE
+
+#: module name -> (source, what went wrong), one faulty distribution each.
+FAULTY_PLUGINS: dict[str, tuple[str, str]] = {
+    "sl_import_fails": (
+        "raise RuntimeError('sl_import_fails: broken at import')\n",
+        "load",
+    ),
+    "sl_hook_raises": (
+        "from safelens_tl.hookspecs import hookimpl\n"
+        "@hookimpl\n"
+        "def safelens_tl_patches(layout):\n"
+        "    raise ValueError('sl_hook_raises: broken inside the hook')\n",
+        "safelens_tl_patches",
+    ),
+    "sl_malformed": (
+        "from safelens_tl.hookspecs import hookimpl\n"
+        "@hookimpl\n"
+        "def safelens_tl_patches(layout):\n"
+        "    return ['not a Patch', 42]\n",
+        "safelens_tl_patches",
+    ),
+    "sl_not_iterable": (
+        "from safelens_tl.hookspecs import hookimpl\n"
+        "@hookimpl\n"
+        "def safelens_tl_patches(layout):\n"
+        "    return 42\n",
+        "safelens_tl_patches",
+    ),
+    "sl_conflicting": (
+        "from safelens_tl.hookspecs import hookimpl\n"
+        "from safelens_tl.patching import Patch\n"
+        "def hijacked_append(self, new_keys, new_values):\n"
+        "    raise AssertionError('the conflicting plugin replaced the built-in append')\n"
+        "@hookimpl\n"
+        "def safelens_tl_patches(layout):\n"
+        "    return [Patch(layout.entry_class, 'append', hijacked_append)]\n",
+        "install",
+    ),
+}
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import transformer_lens  # the start-up hook, when installed, activates here
+        import safelens_tl
+        report = safelens_tl.activate()  # idempotent: the hook's report, or a first activation
+    from safelens_tl import kv_cache, targets
+    entry_class = targets.locate().entry_class
+    cfg = type("Cfg", (), {"n_heads": 2, "d_head": 4, "dtype": "float32", "n_ctx": 8})()
+    entry = entry_class.init_cache_entry(cfg, "cpu", 1)
+    keys, values = entry.append(torch.ones(1, 1, 2, 4, dtype=torch.float16),
+                                torch.ones(1, 1, 2, 4, dtype=torch.float16))
+    print(json.dumps({
+        "report": report.to_dict(),
+        "warnings": [str(w.message) for w in caught if "safelens" in str(w.message)],
+        "append_is_builtin": entry_class.__dict__["append"] is kv_cache.append,
+        "fp16_append_dtype": str(keys.dtype),
+        "transformer_lens_file": transformer_lens.__file__,
+        "stray_imported": "sl_stray" in sys.modules,
+    }))
+    """
+)
+
+
+def write_distribution(site: Path, name: str, module_source: str, entry_points: str) -> None:
+    """Install a distribution by hand: ``<name>-0.1.dist-info`` and its module ``<name>.py``."""
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    (site / f"{name}.py").write_text(module_source)
+
+
+def run_child(site: Path, code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter whose ``PYTHONPATH`` starts with ``site``."""
+    environment = {**os.environ, "PYTHONPATH": str(site), **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def child_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One interpreter with every faulty plugin installed at once."""
+    site = tmp_path_factory.mktemp("site")
+    for name, (source, _) in FAULTY_PLUGINS.items():
+        write_distribution(site, name, source, f"[safelens_tl]\n{name} = {name}\n")
+    # A module that implements the hook but is no installed distribution, named in a made-up
+    # variable: start-up safety says neither makes it a plugin.
+    (site / "sl_stray.py").write_text(FAULTY_PLUGINS["sl_hook_raises"][0])
+    done = run_child(site, CHILD, SAFELENS_TL_PLUGINS="sl_stray", SAFELENS_TL_PLUGIN="sl_stray")
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(FAULTY_PLUGINS))
+def test_each_fault_is_a_warning_and_a_status_entry(
+    child_result: dict[str, Any], name: str
+) -> None:
+    """Every faulty distribution appears in status() at the right stage and in a warning."""
+    stage = FAULTY_PLUGINS[name][1]
+    source = f"{name}:{name}"  # "<distribution>:<entry point>"
+    failures = [f for f in child_result["report"]["failures"] if f["source"] == source]
+    assert [f["stage"] for f in failures] == [stage], child_result["report"]["failures"]
+    assert any(source in warning for warning in child_result["warnings"]), child_result["warnings"]
+
+
+def test_builtin_fix_stays_active(child_result: dict[str, Any]) -> None:
+    """The built-in plugin's patches are all installed, and it is the built-in append that runs."""
+    report = child_result["report"]
+    assert report["active"] is True
+    assert report["transformer_lens"] == RELEASE
+    assert any(p.endswith(".append") for p in report["patched"])
+    assert any(p.endswith(".init_cache_entry") for p in report["patched"])
+    assert child_result["append_is_builtin"] is True
+    assert child_result["fp16_append_dtype"] == "torch.float16"
+    assert "safelens-tl:kv_cache" in report["plugins"]
+
+
+def test_transformer_lens_imports_from_its_real_location(child_result: dict[str, Any]) -> None:
+    """TL was imported (not shadowed by the temporary site folder) and the child exited cleanly."""
+    assert "site-packages" in child_result["transformer_lens_file"]
+
+
+def test_only_installed_distributions_become_plugins(child_result: dict[str, Any]) -> None:
+    """A hook-implementing module on sys.path, named in env variables, is never imported."""
+    assert child_result["stray_imported"] is False
+    assert not any("sl_stray" in name for name in child_result["report"]["plugins"])
+
+
+# Start-up safety ---------------------------------------------------------------------------------
+
+PACKAGE = Path(safelens_tl.__file__).resolve().parent
+#: Modules that run inside every process that imports transformer_lens (the automatic path).
+AUTOMATIC_PATH = sorted(
+    path
+    for path in PACKAGE.glob("*.py")
+    if path.name not in {"cli.py", "status_command.py", "__main__.py"}
+)
+#: What the start-up module may import at all (module level or inside functions).
+STARTUP_IMPORTS = {
+    "__future__",
+    "os",
+    "sys",
+    "safelens_tl",
+    "safelens_tl.activation",
+    "safelens_tl.plugins",
+    "warnings",
+    "collections.abc",
+    "importlib.machinery",
+    "types",
+}
+FORBIDDEN_CALLS = {
+    "eval",
+    "exec",
+    "compile",
+    "__import__",
+    "import_module",
+    "system",
+    "popen",
+    "spawnl",
+    "execv",
+    "run_path",
+    "run_module",
+    "load_setuptools_entrypoints",
+}
+
+
+def _environment_reads(tree: ast.AST) -> list[ast.AST]:
+    """Every node that touches os.environ / os.getenv / os.putenv."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in {"environ", "getenv", "putenv", "environb", "getenvb"}
+        )
+        or (isinstance(node, ast.Name) and node.id in {"environ", "getenv"})
+    ]
+
+
+def test_startup_hook_reads_only_the_opt_out_variable() -> None:
+    """_startup.py reads the environment in exactly one way: SAFELENS_TL_AUTOPATCH, via ENV_VAR."""
+    tree = ast.parse(Path(_startup.__file__).read_text(encoding="utf-8"))
+    assert _startup.ENV_VAR == "SAFELENS_TL_AUTOPATCH"
+    reads = _environment_reads(tree)
+    assert reads, "expected the opt-out to be read from os.environ"
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    for node in reads:
+        # Allowed shape: os.environ.get(ENV_VAR[, default]) and nothing else.
+        method = parents.get(node)
+        call = parents.get(method) if method is not None else None
+        assert isinstance(method, ast.Attribute) and method.attr == "get", ast.unparse(
+            parents[node]
+        )
+        assert isinstance(call, ast.Call) and call.args, ast.unparse(method)
+        key = call.args[0]
+        assert (isinstance(key, ast.Name) and key.id == "ENV_VAR") or (
+            isinstance(key, ast.Constant) and key.value == _startup.ENV_VAR
+        ), ast.unparse(call)
+
+
+def test_startup_hook_executes_nothing_from_the_environment() -> None:
+    """No eval/exec/dynamic import in _startup.py; every import names a fixed, expected module."""
+    tree = ast.parse(Path(_startup.__file__).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            function = node.func
+            name = (
+                function.attr
+                if isinstance(function, ast.Attribute)
+                else getattr(function, "id", "")
+            )
+            assert name not in FORBIDDEN_CALLS, ast.unparse(node)
+        if isinstance(node, ast.Import):
+            assert {alias.name for alias in node.names} <= STARTUP_IMPORTS, ast.unparse(node)
+        if isinstance(node, ast.ImportFrom):
+            assert node.module in STARTUP_IMPORTS, ast.unparse(node)
+    pth = (PACKAGE.parent / "safelens_tl.pth").read_text(encoding="utf-8").strip()
+    assert pth == "import safelens_tl._startup; safelens_tl._startup.install()"
+
+
+def test_automatic_path_reads_no_other_variable_and_finds_plugins_only_by_entry_points() -> None:
+    """Beyond _startup.py, no module on the automatic path reads the environment; plugins come
+    only from importlib.metadata entry points of the safelens_tl group."""
+    for path in AUTOMATIC_PATH:
+        if path.name == "_startup.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assert not _environment_reads(tree), f"{path.name} reads the environment"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                function = node.func
+                name = (
+                    function.attr
+                    if isinstance(function, ast.Attribute)
+                    else getattr(function, "id", "")
+                )
+                # import_module is allowed in targets.py only: it imports the table's fixed paths.
+                allowed = {"import_module"} if path.name == "targets.py" else set()
+                assert name not in FORBIDDEN_CALLS - allowed, f"{path.name}: {ast.unparse(node)}"
+    plugins_source = (PACKAGE / "plugins.py").read_text(encoding="utf-8")
+    assert "entry_points(group=hookspecs.ENTRY_POINT_GROUP)" in plugins_source
+
+
+def test_hostile_opt_out_value_is_only_compared(tmp_path: Path) -> None:
+    """A value crafted as code is never run: it is just "not an off value", so the hook arms."""
+    marker = tmp_path / "pwned"
+    payload = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    code = "import safelens_tl._startup as s, sys; print(s.state, 'torch' in sys.modules)"
+    done = run_child(tmp_path, code, SAFELENS_TL_AUTOPATCH=payload)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert done.stdout.split() == [_startup.WATCHING, "False"]

@@ -1,0 +1,242 @@
+"""Property-based tests: the patched entry against a plain ``torch.cat`` reference model.
+
+Hypothesis draws a starting entry (dtype, device, batch, heads, d_head) and a program of operations:
+appends of 1..N positions in fp32/fp16/bf16 under grad mode, ``torch.no_grad`` or
+``torch.inference_mode``; frozen toggles; truncating reassignment of ``past_keys``/``past_values``
+(as views of the cache or as the user's own copies); a reset to an empty past on ``meta``; a
+non-empty ``meta`` past (which the next append must refuse with a ``ValueError``); and a
+keys/values length mismatch (also refused). After every operation the returned tensors and the
+stored state must equal the reference bit for bit, and every tensor handed out before must still
+hold what it held when it was handed out.
+
+The number of examples comes from the Hypothesis profile (``ci`` by default; see conftest.py).
+New keys are never created on ``meta``: a model computes real keys, only the cache may start there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import safelens_tl
+from tests.conftest import make_cfg
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_NEW = 5
+
+MODES: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+    "grad": torch.enable_grad,
+    "no_grad": torch.no_grad,
+    "inference": torch.inference_mode,
+}
+
+
+@functools.cache
+def _cfg(heads: int, d_head: int, dtype: torch.dtype) -> Any:
+    # Real config objects of the installed release; building one per example would dominate.
+    return make_cfg(n_heads=heads, d_head=d_head, dtype=dtype)
+
+
+@dataclass
+class Reference:
+    """What a stock ``torch.cat`` entry with the documented dtype/device policy would hold."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    frozen: bool = False
+
+    def must_refuse(self) -> bool:
+        """The documented refusals: a non-empty meta past, or keys and values of other lengths."""
+        non_empty_meta = any(
+            t.size(1) and t.device.type == "meta" for t in (self.keys, self.values)
+        )
+        return bool(non_empty_meta or self.keys.size(1) != self.values.size(1))
+
+    def append(
+        self, new_keys: torch.Tensor, new_values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate with ``torch.cat`` in the keys' dtype; store unless frozen."""
+        new_values = new_values.to(new_keys.dtype)
+        keys = torch.cat([*self._past(self.keys, new_keys), new_keys], dim=1)
+        values = torch.cat([*self._past(self.values, new_values), new_values], dim=1)
+        if not self.frozen:
+            # torch.cat allocates: the reference never shares memory with what the entry hands out.
+            self.keys, self.values = keys, values
+        return keys, values
+
+    @staticmethod
+    def _past(past: torch.Tensor, new: torch.Tensor) -> list[torch.Tensor]:
+        # An empty past contributes nothing (it may sit on meta, where it holds no data).
+        return [past.to(new.dtype)] if past.size(1) else []
+
+
+@dataclass
+class Handed:
+    """Every tensor the entry handed out or held, with a copy of its content at that moment."""
+
+    items: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            if tensor.device.type != "meta":
+                self.items.append((tensor, tensor.detach().clone()))
+
+    def unchanged(self) -> Iterator[bool]:
+        for tensor, copy in self.items:
+            yield torch.equal(tensor, copy)
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same shape, dtype, device and (off meta) the same bits."""
+    if (actual.shape, actual.dtype, actual.device) != (
+        expected.shape,
+        expected.dtype,
+        expected.device,
+    ):
+        return False
+    return actual.device.type == "meta" or torch.equal(actual, expected)
+
+
+append_op = st.tuples(
+    st.just("append"),
+    st.integers(1, MAX_NEW),
+    st.sampled_from(DTYPES),
+    st.one_of(st.none(), st.sampled_from(DTYPES)),  # values' own dtype, or None: same as keys
+    st.sampled_from(sorted(MODES)),
+    st.booleans(),  # new keys/values require grad (only meaningful in grad mode)
+)
+operations = st.lists(
+    st.one_of(
+        # Appends listed three times: they are the common case, the rest perturb the state.
+        append_op,
+        append_op,
+        append_op,
+        st.tuples(st.just("toggle_frozen")),
+        st.tuples(st.just("truncate"), st.floats(0, 1), st.booleans()),
+        st.tuples(st.just("reset_meta")),
+        st.tuples(st.just("refused"), st.sampled_from(["meta_past", "misalign"]), append_op),
+    ),
+    min_size=1,
+    max_size=16,
+)
+
+
+def _step(
+    entry: Any, ref: Reference, operation: tuple[Any, ...], seed: int, handed: Handed
+) -> None:
+    kind = operation[0]
+    batch, _, heads, d_head = entry.past_keys.shape
+    if kind == "toggle_frozen":
+        entry.frozen = ref.frozen = not ref.frozen
+    elif kind == "truncate":
+        _, fraction, own_copy = operation
+        length = int(min(ref.keys.size(1), ref.values.size(1)) * fraction)
+        keys, values = entry.past_keys[:, :length], entry.past_values[:, :length]
+        if own_copy:
+            keys, values = keys.clone(), values.clone()
+        entry.past_keys, entry.past_values = keys, values
+        ref.keys, ref.values = ref.keys[:, :length], ref.values[:, :length]
+        handed.add(keys, values)
+    elif kind == "reset_meta":
+        empty = torch.empty((batch, 0, heads, d_head), device="meta")
+        entry.past_keys, entry.past_values = empty, empty.clone()
+        ref.keys, ref.values = empty, empty
+    elif kind == "refused":
+        _, how, attempt = operation
+        good, saved = (entry.past_keys, entry.past_values), (ref.keys, ref.values)
+        if how == "meta_past":
+            stale = torch.empty((batch, 1 + attempt[1] % 3, heads, d_head), device="meta")
+            entry.past_keys, entry.past_values = stale, stale.clone()
+            ref.keys, ref.values = stale, stale
+        else:
+            entry.past_values = torch.zeros((batch, ref.keys.size(1) + 1, heads, d_head))
+            ref.values = entry.past_values.clone()
+        _append(entry, ref, attempt, seed, batch, heads, d_head, handed)
+        # The user repairs the past; the program goes on from a valid state.
+        entry.past_keys, entry.past_values = good
+        ref.keys, ref.values = saved
+    else:
+        _append(entry, ref, operation, seed, batch, heads, d_head, handed)
+
+
+def _append(
+    entry: Any,
+    ref: Reference,
+    operation: tuple[Any, ...],
+    seed: int,
+    batch: int,
+    heads: int,
+    d_head: int,
+    handed: Handed,
+) -> None:
+    _, positions, keys_dtype, values_dtype, mode, requires_grad = operation
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch, positions, heads, d_head)
+    with MODES[mode]():
+        new_keys = torch.randn(shape, generator=generator).to(keys_dtype)
+        new_values = torch.randn(shape, generator=generator).to(values_dtype or keys_dtype)
+        if mode == "grad" and requires_grad:
+            new_keys.requires_grad_(True)
+            new_values.requires_grad_(True)
+        before = (entry.past_keys, entry.past_values)
+        if ref.must_refuse():
+            with pytest.raises(ValueError, match="positions"):
+                entry.append(new_keys, new_values)
+            # Refused input leaves the entry exactly as it was.
+            assert entry.past_keys is before[0] and entry.past_values is before[1]
+            return
+        keys, values = entry.append(new_keys, new_values)
+        expected_keys, expected_values = ref.append(new_keys, new_values)
+        assert _same(keys, expected_keys), (keys.shape, keys.dtype, expected_keys.dtype)
+        assert _same(values, expected_values), (values.shape, values.dtype, expected_values.dtype)
+        assert keys.requires_grad == expected_keys.requires_grad
+        if new_keys.requires_grad:
+            # Gradients through the cache equal those through torch.cat.
+            weight = torch.randn(keys.shape, generator=generator).to(keys.dtype)
+            (ours,) = torch.autograd.grad((keys * weight).sum(), new_keys, retain_graph=True)
+            (theirs,) = torch.autograd.grad((expected_keys * weight).sum(), new_keys)
+            assert torch.equal(ours, theirs)
+        if ref.frozen:
+            assert entry.past_keys is before[0] and entry.past_values is before[1]
+    handed.add(keys, values, entry.past_keys, entry.past_values)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    device=st.sampled_from(["cpu", "meta"]),
+    batch=st.integers(1, 2),
+    heads=st.integers(1, 3),
+    d_head=st.sampled_from([1, 4]),
+    program=operations,
+    seed=st.integers(0, 2**16),
+)
+def test_entry_matches_torch_cat_reference(
+    entry_class: type,
+    dtype: torch.dtype,
+    device: str,
+    batch: int,
+    heads: int,
+    d_head: int,
+    program: list[tuple[Any, ...]],
+    seed: int,
+) -> None:
+    """Any program: same returned tensors, same stored state, nothing handed out changes."""
+    assert safelens_tl.activate().active
+    entry = entry_class.init_cache_entry(_cfg(heads, d_head, dtype), device, batch)
+    assert (entry.past_keys.dtype, entry.past_keys.device.type) == (dtype, device)
+    ref = Reference(entry.past_keys, entry.past_values)
+    handed = Handed()
+    for index, operation in enumerate(program):
+        _step(entry, ref, operation, seed + index, handed)
+        assert entry.frozen == ref.frozen
+        assert _same(entry.past_keys, ref.keys), operation
+        assert _same(entry.past_values, ref.values), operation
+        assert all(handed.unchanged()), f"a tensor handed out earlier changed at {operation}"
