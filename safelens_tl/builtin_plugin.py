@@ -1,4 +1,4 @@
-"""The built-in fix, registered like any third-party plugin through the ``safelens_tl`` entry point."""
+"""The built-in fix, registered like any third-party plugin through the ``safelens_tl`` group."""
 
 from __future__ import annotations
 

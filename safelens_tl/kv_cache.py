@@ -154,6 +154,18 @@ def append(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
     past_keys, past_values = self.past_keys, self.past_values
+    storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
+    # Per-token fast path (every step of generate): try_write accepts only what the full
+    # validation below would accept unchanged, and changes nothing when it refuses.
+    if (
+        storage is not None
+        and not self.frozen
+        and not torch.is_grad_enabled()
+        and storage.try_write(past_keys, past_values, new_keys, new_values)
+    ):
+        self.past_keys, self.past_values = storage.keys_view, storage.values_view
+        return storage.keys_view, storage.values_view
+
     _validate(self, past_keys, past_values, new_keys, new_values)
     if new_values.dtype != new_keys.dtype or new_values.device != new_keys.device:
         new_values = new_values.to(device=new_keys.device, dtype=new_keys.dtype)
@@ -167,7 +179,6 @@ def append(
             self.past_keys, self.past_values = keys, values
         return keys, values
 
-    storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
     if (
         storage is not None
         and storage.backs(past_keys, past_values)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real cache classes of the installed TransformerLens, and configs for them."""
+"""Shared fixtures: the real cache classes of the installed TransformerLens, and their configs."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def make_cfg(
     n_layers: int = 2,
     n_ctx: int = 64,
 ) -> Any:
-    """A real config object of the installed release (HookedTransformerConfig / TransformerLensConfig)."""
+    """A real config of the installed release (HookedTransformerConfig / TransformerLensConfig)."""
     config_class = LAYOUT.config_class()
     return config_class(
         d_model=n_heads * d_head,

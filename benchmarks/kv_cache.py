@@ -1,0 +1,509 @@
+"""Benchmark the patched KV cache against stock TransformerLens, in one process.
+
+Run ``python benchmarks/kv_cache.py`` (full, a few minutes on 2 cores) or ``--quick`` (seconds, tiny
+sizes, for CI: checks that every measurement runs, not how fast). Stock and patched are measured in
+the same process by toggling ``safelens_tl.activate()``/``deactivate()``, alternating, best of
+several rounds; peak memory is measured in fresh subprocesses (see :func:`memory_child`).
+
+What is measured and how is explained in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import safelens_tl
+from safelens_tl import kv_storage, targets
+
+BATCH, HEADS, D_HEAD = 4, 8, 64
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every size the benchmark uses; ``--quick`` shrinks them all."""
+
+    append_lengths: tuple[int, ...]
+    rounds: int
+    stock_appends: int
+    patched_appends: int
+    short: tuple[int, int, int]  # prompt, new tokens, batch
+    long: tuple[int, int, int]
+    long_n_ctx: int
+    memory_runs: int  # fresh processes per variant; 0: measure in this process (quick)
+    memory: tuple[tuple[str, int, int, int], ...]  # label, prompt, new tokens, batch
+
+
+FULL = Sizes(
+    (256, 1024, 4096, 8192),
+    5,
+    4,
+    64,
+    (8, 48, 1),
+    (640, 160, 4),
+    1024,
+    3,
+    # The long context's peak is its prompt's attention; the long generation's is the cache.
+    (("long context", 640, 160, 4), ("long generation", 32, 992, 4)),
+)
+QUICK = Sizes((32, 128), 1, 2, 8, (4, 6, 1), (24, 8, 2), 64, 0, (("long context", 24, 8, 2),))
+
+
+@dataclass
+class Results:
+    """Everything measured, in plain numbers (also written as JSON with ``--json``)."""
+
+    machine: dict[str, str] = field(default_factory=dict)
+    append: list[dict[str, float]] = field(default_factory=list)
+    generate: list[dict[str, float]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    autocast: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def patched(on: bool) -> Iterator[None]:
+    """Run the block with safelens-tl active (``on``) or with stock TransformerLens."""
+    if on:
+        safelens_tl.activate()
+    else:
+        safelens_tl.deactivate()
+    try:
+        yield
+    finally:
+        safelens_tl.deactivate()
+
+
+def best_of(rounds: int, variants: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Run each variant once per round, alternating, and keep each one's smallest result."""
+    best = {name: float("inf") for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            gc.collect()
+            best[name] = min(best[name], run())
+    return best
+
+
+# Append -----------------------------------------------------------------------------------------
+
+
+def _append_cfg(layout: targets.Layout, n_ctx: int) -> Any:
+    return layout.config_class()(
+        d_model=HEADS * D_HEAD,
+        d_head=D_HEAD,
+        n_heads=HEADS,
+        n_layers=1,
+        n_ctx=n_ctx,
+        act_fn="relu",
+        dtype=torch.float32,
+    )
+
+
+def _step() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, 1, HEADS, D_HEAD), torch.randn(BATCH, 1, HEADS, D_HEAD)
+
+
+def _time_appends(entry: Any, count: int) -> float:
+    """Seconds per append, over ``count`` consecutive one-token appends."""
+    keys, values = _step()
+    append = entry.append
+    start = time.perf_counter()
+    for _ in range(count):
+        append(keys, values)
+    return (time.perf_counter() - start) / count
+
+
+def stock_append(layout: targets.Layout, cached: int, count: int) -> float:
+    """Stock ``torch.cat`` append with ``cached`` positions already in the entry."""
+    cfg = _append_cfg(layout, 2 * cached + count)
+    with patched(False), torch.inference_mode():
+        entry = layout.entry_class.init_cache_entry(cfg, "cpu", BATCH)
+        entry.past_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        entry.past_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        return _time_appends(entry, count)
+
+
+def patched_append(layout: targets.Layout, cached: int, count: int, amortized: bool) -> float:
+    """Patched append with ``cached`` positions in the entry.
+
+    Steady state (``amortized=False``): the buffer has room, as between two regrowths. Amortized:
+    the buffer starts exactly full, so the timed appends include one regrowth (a copy of the whole
+    past), spread over the appends of one full growth cycle (``cached // 4``).
+    """
+    cfg = _append_cfg(layout, 2 * cached + count)
+    with patched(True), torch.inference_mode():
+        entry = layout.entry_class.init_cache_entry(cfg, "cpu", BATCH)
+        prompt_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        prompt_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        with kv_storage.reserve(cached if amortized else cached + count):
+            entry.append(prompt_keys, prompt_values)
+        return _time_appends(entry, max(cached // 4, 1) if amortized else count)
+
+
+def raw_write(cached: int, count: int) -> float:
+    """The lower bound: write one token's keys and values into preallocated buffers."""
+    key_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD)
+    value_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD)
+    keys, values = _step()
+    position = [cached]
+
+    def write(new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        at = position[0]
+        key_buffer.narrow(1, at, 1).copy_(new_keys)
+        value_buffer.narrow(1, at, 1).copy_(new_values)
+        position[0] = at + 1
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for _ in range(count):
+            write(keys, values)
+        return (time.perf_counter() - start) / count
+
+
+def bench_append(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
+    """Append cost at each cached length: stock, patched (steady, amortized), raw write."""
+    for cached in sizes.append_lengths:
+        best = best_of(
+            sizes.rounds,
+            {
+                "stock": lambda c=cached: stock_append(layout, c, sizes.stock_appends),
+                "patched": lambda c=cached: patched_append(layout, c, sizes.patched_appends, False),
+                "amortized": lambda c=cached: patched_append(layout, c, 0, True),
+                "raw": lambda c=cached: raw_write(c, sizes.patched_appends),
+            },
+        )
+        results.append.append({"cached": cached, **{k: v * 1e6 for k, v in best.items()}})
+
+
+# Generate ---------------------------------------------------------------------------------------
+
+
+def long_model(n_ctx: int) -> Any:
+    """The 2-layer GPT-2-like model of safelens_tl.verify with a context of ``n_ctx`` tokens."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from safelens_tl.verify import models
+
+    torch.manual_seed(0)
+    cfg = HookedTransformerConfig(
+        **{**models.GPT2_LIKE, "n_ctx": n_ctx},
+        d_vocab=models.vocab_size(),
+        dtype=torch.float32,
+        device="cpu",
+        seed=0,
+    )
+    return HookedTransformer(cfg, tokenizer=models.load_tokenizer()).eval()
+
+
+def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    # Skip the special tokens (ids 0-3) so no prompt holds padding or EOS.
+    return torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
+
+
+def time_generate(model: Any, tokens: torch.Tensor, new: int, on: bool) -> float:
+    """Seconds for one greedy cached generation of ``new`` tokens."""
+    with patched(on):
+        start = time.perf_counter()
+        model.generate(
+            tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
+        )
+        return time.perf_counter() - start
+
+
+def bench_generate(sizes: Sizes, results: Results) -> None:
+    """Tokens per second of ``generate`` at a short and a long context, stock and patched."""
+    from safelens_tl.verify.models import build_model
+
+    short_model = build_model("gpt2-like", torch.float32)
+    for label, model, (prompt, new, batch), rounds in (
+        ("short", short_model, sizes.short, sizes.rounds),
+        ("long", long_model(sizes.long_n_ctx), sizes.long, max(sizes.rounds - 2, 1)),
+    ):
+        tokens = _tokens(model, prompt, batch)
+        time_generate(model, tokens, new, True)  # warm-up: first-call costs are no one's
+        time_generate(model, tokens, new, False)
+        best = best_of(
+            rounds,
+            {
+                "stock": lambda m=model, t=tokens, n=new: time_generate(m, t, n, False),
+                "patched": lambda m=model, t=tokens, n=new: time_generate(m, t, n, True),
+            },
+        )
+        results.generate.append(
+            {
+                "context": label,
+                "prompt": prompt,
+                "new": new,
+                "batch": batch,
+                "stock": batch * new / best["stock"],
+                "patched": batch * new / best["patched"],
+            }
+        )
+
+
+# Peak memory ------------------------------------------------------------------------------------
+
+
+def _proc_status(field_name: str) -> int:
+    """A ``/proc/self/status`` field in bytes (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def generation_rise(model: Any, tokens: torch.Tensor, new: int, on: bool) -> int:
+    """Bytes by which one generation raises this process's peak resident memory (Linux).
+
+    Writing ``5`` to ``/proc/self/clear_refs`` resets the peak (``VmHWM``) to the current RSS just
+    before ``generate``; the peak afterwards minus the RSS before is what the generation needed.
+    """
+    with patched(on):
+        model.generate(tokens, max_new_tokens=2, do_sample=False, verbose=False)  # warm-up
+        gc.collect()
+        before = _proc_status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        model.generate(
+            tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
+        )
+        return _proc_status("VmHWM") - before
+
+
+def memory_child(variant: str, prompt: int, new: int, batch: int, n_ctx: int) -> None:
+    """Print (JSON) :func:`generation_rise` for one variant, in this fresh process.
+
+    Started with ``MALLOC_MMAP_THRESHOLD_`` low, so that freed tensor memory goes straight back to
+    the system and RSS follows live memory rather than what glibc keeps for reuse.
+    """
+    model = long_model(n_ctx)
+    rise = generation_rise(model, _tokens(model, prompt, batch), new, variant == "patched")
+    print(json.dumps({"variant": variant, "rise": rise}))
+
+
+def bench_memory(sizes: Sizes, results: Results) -> None:
+    """Peak RSS rise of long generations, stock and patched, each in fresh subprocesses."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        results.notes.append("peak memory skipped: needs Linux /proc/self/clear_refs")
+        return
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "SAFELENS_TL_AUTOPATCH": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    for label, prompt, new, batch in sizes.memory:
+        rises: dict[str, list[int]] = {"stock": [], "patched": []}
+        if not sizes.memory_runs:  # quick: same measurement in this process, no fresh start
+            model = long_model(sizes.long_n_ctx)
+            tokens = _tokens(model, prompt, batch)
+            for variant in rises:
+                rises[variant].append(generation_rise(model, tokens, new, variant == "patched"))
+        for _ in range(sizes.memory_runs):
+            for variant in rises:
+                command = [sys.executable, __file__, "--threads", str(torch.get_num_threads())]
+                command += ["--memory-child", variant]
+                command += [str(prompt), str(new), str(batch), str(sizes.long_n_ctx)]
+                done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+                rises[variant].append(json.loads(done.stdout.strip().splitlines()[-1])["rise"])
+        row: dict[str, Any] = {"shape": label, "prompt": prompt, "new": new, "batch": batch}
+        for variant, values in rises.items():
+            row[variant] = float(sorted(values)[len(values) // 2])
+        row["runs"] = sizes.memory_runs
+        row["cache_bytes"] = float(cache_bytes(prompt + new - 1, batch))
+        results.memory.append(row)
+
+
+def cache_bytes(positions: int, batch: int) -> int:
+    """Bytes of the whole fp32 cache of the long model at ``positions`` positions."""
+    from safelens_tl.verify import models
+
+    per_position = 2 * models.GPT2_LIKE["n_heads"] * models.GPT2_LIKE["d_head"] * 4
+    return int(models.GPT2_LIKE["n_layers"] * batch * positions * per_position)
+
+
+# Autocast ---------------------------------------------------------------------------------------
+
+
+def autocast_cache(model: Any, tokens: torch.Tensor, steps: int, on: bool) -> dict[str, Any]:
+    """Run cached forwards under bf16 ``torch.autocast`` on CPU; report cache dtype and bytes."""
+    layout = targets.locate()
+    with patched(on), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = layout.cache_class.init_cache(model.cfg, "cpu", tokens.size(0))
+        logits = model(tokens, past_kv_cache=cache)
+        for _ in range(steps):
+            logits = model(logits[:, -1:].argmax(-1), past_kv_cache=cache)
+    used = reserved = 0
+    for entry in cache.entries:
+        for tensor in (entry.past_keys, entry.past_values):
+            used += tensor.numel() * tensor.element_size()
+        storage = entry.__dict__.get("_safelens_storage")
+        reserved += storage.reserved_bytes if storage is not None else 0
+    dtype = cache.entries[0].past_keys.dtype
+    return {"dtype": str(dtype).removeprefix("torch."), "used": used, "reserved": reserved or used}
+
+
+def bench_autocast(sizes: Sizes, results: Results) -> None:
+    """Cache bytes of an fp32 model run under bf16 autocast, stock and patched."""
+    prompt, new, batch = sizes.long
+    model = long_model(sizes.long_n_ctx)
+    tokens = _tokens(model, prompt, batch)
+    results.autocast = {
+        "stock": autocast_cache(model, tokens, new - 1, False),
+        "patched": autocast_cache(model, tokens, new - 1, True),
+    }
+
+
+# Report -----------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, versions and date."""
+    model_name = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {
+        "cpu": model_name,
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "transformer-lens": targets.installed_release() or "?",
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load average": "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
+    }
+
+
+def _ratio(value: float) -> str:
+    return f"{value:,.1f}x" if value >= 10 else f"{value:.2f}x"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.2f}" if whole > 0 else "n/a"
+
+
+def report(results: Results) -> None:
+    """Print the tables with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    # Wide enough for every column when the output is a file or a pipe (CI logs, the docs).
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    console.print(" ".join(f"{k}: {v};" for k, v in results.machine.items()))
+    table = Table(title=f"append, one token (batch {BATCH}, {HEADS} heads, d_head {D_HEAD}, fp32)")
+    for column in ("cached", "stock µs", "patched µs", "amortized µs", "raw µs"):
+        table.add_column(column, justify="right")
+    for column in ("stock/patched", "stock/amortized", "patched/raw", "amortized/raw"):
+        table.add_column(column, justify="right")
+    for row in results.append:
+        table.add_row(
+            str(int(row["cached"])),
+            *(f"{row[k]:,.1f}" for k in ("stock", "patched", "amortized", "raw")),
+            _ratio(row["stock"] / row["patched"]),
+            _ratio(row["stock"] / row["amortized"]),
+            _ratio(row["patched"] / row["raw"]),
+            _ratio(row["amortized"] / row["raw"]),
+        )
+    console.print(table)
+    if results.generate:
+        table = Table(title="generate, greedy, cached (tokens/s, best of rounds)")
+        for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
+            table.add_column(column, justify="right")
+        for row in results.generate:
+            table.add_row(
+                str(row["context"]),
+                f"{int(row['prompt'])}+{int(row['new'])}",
+                str(int(row["batch"])),
+                f"{row['stock']:,.0f}",
+                f"{row['patched']:,.0f}",
+                _ratio(row["patched"] / row["stock"]),
+            )
+        console.print(table)
+    if results.memory:
+        runs = int(results.memory[0]["runs"])
+        where = f"median of {runs} fresh processes" if runs else "in this process (quick)"
+        table = Table(title=f"peak RSS rise during generate, MiB ({where})")
+        for column in ("generation", "prompt+new", "batch", "stock", "patched", "patched/stock"):
+            table.add_column(column, justify="right")
+        table.add_column("final cache", justify="right")
+        mib = 1024 * 1024
+        for row in results.memory:
+            table.add_row(
+                str(row["shape"]),
+                f"{row['prompt']}+{row['new']}",
+                str(row["batch"]),
+                f"{row['stock'] / mib:.2f}",
+                f"{row['patched'] / mib:.2f}",
+                _share(row["patched"], row["stock"]),
+                f"{row['cache_bytes'] / mib:.2f}",
+            )
+        console.print(table)
+    if results.autocast:
+        stock, ours = results.autocast["stock"], results.autocast["patched"]
+        console.print(
+            f"cache under torch.autocast(cpu, bfloat16), fp32 model: stock {stock['dtype']} "
+            f"{stock['used']:,} B; patched {ours['dtype']} {ours['used']:,} B used, "
+            f"{ours['reserved']:,} B reserved "
+            f"(patched/stock {_share(ours['reserved'], stock['used'])})"
+        )
+    for note in results.notes:
+        console.print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run every measurement, print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a CI smoke test")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument(
+        "--threads", type=int, help="torch intra-op threads (default: torch's, the core count)"
+    )
+    parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_child:
+        variant, *numbers = args.memory_child
+        memory_child(variant, *(int(n) for n in numbers))
+        return 0
+    sizes = QUICK if args.quick else FULL
+    layout = targets.locate()
+    results = Results(machine=machine())
+    bench_append(layout, sizes, results)
+    if layout.known.has_hooked_transformer:
+        bench_generate(sizes, results)
+        bench_memory(sizes, results)
+        bench_autocast(sizes, results)
+    else:
+        results.notes.append(
+            f"TransformerLens {layout.release} has no HookedTransformer: generate, memory and "
+            "autocast skipped"
+        )
+    report(results)
+    if args.json:
+        with open(args.json, "w") as output:
+            json.dump(asdict(results), output, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Growth, reservation and capacity of the patched cache's storage, on the real TL classes."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import generate_reserve, kv_storage
+from tests.conftest import LAYOUT, make_cfg, requires_hooked_transformer
+
+BATCH, HEADS, D_HEAD = 2, 4, 8
+STORAGE = "_safelens_storage"
+
+
+def kv(positions: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (BATCH, positions, HEADS, D_HEAD)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+def new_entry(entry_class: type, n_ctx: int = 4096) -> Any:
+    return entry_class.init_cache_entry(make_cfg(HEADS, D_HEAD, n_ctx=n_ctx), "cpu", BATCH)
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[kv_storage.KVStorage]]:
+    """Every storage the patched entries allocate (a spy around our own function; TL is real)."""
+    made: list[kv_storage.KVStorage] = []
+    real = kv_storage.allocate
+
+    def spy(*args: Any, **kwargs: Any) -> kv_storage.KVStorage:
+        storage = real(*args, **kwargs)
+        made.append(storage)
+        return storage
+
+    monkeypatch.setattr(kv_storage, "allocate", spy)
+    yield made
+
+
+# capacity_for -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("needed", [1, 2, 3, 4, 7, 100, 1000, 4097])
+def test_growth_leaves_at_most_a_quarter_spare(needed: int) -> None:
+    capacity = kv_storage.capacity_for(needed, None)
+    assert needed < capacity <= needed + max(needed // 4, 1)
+
+
+def test_growth_never_passes_n_ctx_unless_needed() -> None:
+    assert kv_storage.capacity_for(100, 110) == 110
+    assert kv_storage.capacity_for(110, 110) == 110
+    assert kv_storage.capacity_for(120, 110) == 150  # past n_ctx (rotary models): grow as usual
+
+
+def test_reservations_size_exactly_and_nest() -> None:
+    with kv_storage.reserve(500):
+        assert kv_storage.capacity_for(10, 4096) == 500
+        assert kv_storage.capacity_for(600, 4096) == 750  # too small a reservation: grow
+    with kv_storage.reserve_ahead(31):
+        assert kv_storage.capacity_for(9, 4096) == 40
+        assert kv_storage.capacity_for(9, 20) == 20  # capped at n_ctx
+        with kv_storage.reserve_ahead(0):
+            assert kv_storage.capacity_for(9, None) == 9
+        assert kv_storage.capacity_for(9, None) == 40
+    assert kv_storage.capacity_for(8, None) == 10
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10", None])
+def test_reservation_rejects_bad_counts(bad: Any) -> None:
+    with pytest.raises(ValueError, match="non-negative int"), kv_storage.reserve(bad):
+        pass
+    with pytest.raises(ValueError, match="non-negative int"), kv_storage.reserve_ahead(bad):
+        pass
+    assert kv_storage.capacity_for(8, None) == 10  # nothing left in force
+
+
+# the real entry ---------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_token_by_token_growth_is_geometric_and_bounded(
+    patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
+) -> None:
+    entry = new_entry(entry_class)
+    entry.append(*kv(16))
+    position_bytes = 2 * BATCH * HEADS * D_HEAD * 4
+    for _ in range(400):
+        entry.append(*kv(1))
+        storage = entry.__dict__[STORAGE]
+        length = entry.past_keys.size(1)
+        assert storage.length == length == entry.past_values.size(1)
+        used = length * position_bytes
+        assert used <= storage.reserved_bytes <= used * 5 // 4 + position_bytes
+    assert entry.past_keys.size(1) == 416
+    # 1.25x growth from 16 to 416 needs 15 allocations; a linear scheme would need hundreds.
+    assert len(allocations) <= 16
+
+
+@torch.inference_mode()
+def test_capacity_stops_at_n_ctx(patched: Any, entry_class: type) -> None:
+    entry = new_entry(entry_class, n_ctx=50)
+    entry.append(*kv(40))
+    assert entry.__dict__[STORAGE].capacity == 50
+    for _ in range(10):
+        entry.append(*kv(1))
+    assert entry.__dict__[STORAGE].capacity == 50
+
+
+@torch.inference_mode()
+def test_returned_tensors_never_change(patched: Any, entry_class: type) -> None:
+    entry = new_entry(entry_class)
+    returned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    keys, values = entry.append(*kv(3))
+    returned.append((keys, values, keys.clone(), values.clone()))
+    for _ in range(60):  # crosses several regrowths
+        keys, values = entry.append(*kv(1))
+        returned.append((keys, values, keys.clone(), values.clone()))
+        past = entry.past_keys
+        returned.append((past, entry.past_values, past.clone(), entry.past_values.clone()))
+    for keys, values, keys_then, values_then in returned:
+        assert torch.equal(keys, keys_then)
+        assert torch.equal(values, values_then)
+
+
+@torch.inference_mode()
+def test_reserved_entry_never_regrows(
+    patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
+) -> None:
+    entry = new_entry(entry_class)
+    with kv_storage.reserve_ahead(20):
+        entry.append(*kv(12))
+        for _ in range(20):
+            entry.append(*kv(1))
+    assert len(allocations) == 1
+    assert allocations[0].capacity == allocations[0].length == 32
+
+
+# the fast path ----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _storage(positions: int = 4, capacity: int = 6) -> kv_storage.KVStorage:
+    keys, values = kv(positions)
+    empty = torch.empty(BATCH, 0, HEADS, D_HEAD)
+    with kv_storage.reserve(capacity):
+        return kv_storage.allocate(empty, empty, keys, values, None)
+
+
+@torch.inference_mode()
+def test_try_write_writes_a_plain_step() -> None:
+    storage = _storage()
+    past_keys, past_values = storage.keys_view, storage.values_view
+    keys, values = kv(1)
+    assert storage.try_write(past_keys, past_values, keys, values)
+    assert storage.length == 5
+    assert torch.equal(storage.keys_view[:, 4:], keys)
+    assert torch.equal(storage.values_view[:, 4:], values)
+    assert torch.equal(storage.keys_view[:, :4], past_keys)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["reassigned", "no room", "dtype", "values dtype", "heads", "rank", "empty", "not a tensor"],
+)
+@torch.inference_mode()
+def test_try_write_refuses_anything_unusual_and_changes_nothing(case: str) -> None:
+    storage = _storage(positions=4, capacity=6)
+    past_keys, past_values = storage.keys_view, storage.values_view
+    keys, values = kv(1)
+    args: list[Any] = [past_keys, past_values, keys, values]
+    if case == "reassigned":
+        args[0] = past_keys.clone()
+    elif case == "no room":
+        args[2], args[3] = kv(3)
+    elif case == "dtype":
+        args[2], args[3] = kv(1, torch.float16)
+    elif case == "values dtype":
+        args[3] = values.double()
+    elif case == "heads":
+        args[2] = torch.randn(BATCH, 1, HEADS + 1, D_HEAD)
+    elif case == "rank":
+        args[2] = keys[0]
+    elif case == "empty":
+        args[2], args[3] = kv(0)
+    else:
+        args[3] = values.tolist()
+    assert not storage.try_write(*args)
+    assert storage.length == 4
+    assert storage.keys_view is past_keys and storage.values_view is past_values
+
+
+# generate ---------------------------------------------------------------------------------------
+
+
+@requires_hooked_transformer
+@pytest.mark.parametrize("as_text", [False, True])
+def test_generate_reserves_exactly_once_per_layer(
+    patched: Any, allocations: list[kv_storage.KVStorage], as_text: bool
+) -> None:
+    from safelens_tl.verify.models import build_model
+
+    model = build_model("gpt2-like", torch.float32)
+    texts = ["the cat runs to the river", "a dog sleeps"]
+    prompt: Any = texts if as_text else model.to_tokens(texts)
+    prompt_length = model.to_tokens(texts).size(1)
+    new = 9
+    model.generate(prompt, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False)
+    assert len(allocations) == model.cfg.n_layers  # one buffer per layer, never regrown
+    for storage in allocations:
+        # The last sampled token is never fed back, so the cache ends at prompt + new - 1.
+        assert storage.capacity == storage.length == prompt_length + new - 1
+
+
+@requires_hooked_transformer
+def test_generate_output_is_unchanged_by_the_reservation() -> None:
+    from safelens_tl.verify.models import build_model
+
+    model = build_model("llama-like-gqa", torch.float32)
+    tokens = model.to_tokens(["the bird sings", "old stone falls and"])
+    kwargs: dict[str, Any] = {"do_sample": False, "stop_at_eos": False, "verbose": False}
+    stock = model.generate(tokens, 12, **kwargs)  # max_new_tokens given positionally
+    safelens_tl.activate()
+    ours = model.generate(tokens, 12, **kwargs)
+    assert torch.equal(ours, stock)
+    without_cache = model.generate(tokens, 12, use_past_kv_cache=False, **kwargs)
+    assert torch.equal(without_cache, stock)
+
+
+@requires_hooked_transformer
+def test_generate_wrapper_keeps_the_signature_and_is_removed(patched: Any) -> None:
+    model_class = LAYOUT.model_class()
+    assert model_class is not None
+    wrapper = model_class.__dict__["generate"]
+    original = wrapper.__wrapped__
+    assert inspect.signature(wrapper) == inspect.signature(original)
+    signature = inspect.signature(original)
+    ahead = generate_reserve.positions_ahead
+    assert ahead(signature, ("self", "text"), {"max_new_tokens": 5}) == 4
+    assert ahead(signature, ("self", "text", 5), {}) == 4
+    assert ahead(signature, ("self", "text"), {}) == 9  # the default, 10 new tokens
+    assert ahead(signature, ("self",), {"max_new_tokens": 5, "use_past_kv_cache": False}) is None
+    assert ahead(signature, ("self",), {"max_new_tokens": 0}) is None
+    assert ahead(signature, ("self",), {"max_new_tokens": 2.0}) is None
+    assert ahead(signature, ("self", *range(20)), {}) is None  # unbindable: left to the original
+    safelens_tl.deactivate()
+    assert model_class.__dict__["generate"] is original
+
+
+@requires_hooked_transformer
+def test_autocast_cache_is_bf16_and_half_the_bytes() -> None:
+    from safelens_tl.verify.models import build_model
+
+    model = build_model("gpt2-like", torch.float32)
+    tokens = model.to_tokens(["the cat runs to the river and the dog sleeps"])
+
+    def cached_bytes() -> tuple[torch.dtype, int]:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            cache = LAYOUT.cache_class.init_cache(model.cfg, "cpu", 1)
+            logits = model(tokens, past_kv_cache=cache)
+            for _ in range(3):
+                logits = model(logits[:, -1:].argmax(-1), past_kv_cache=cache)
+        tensors = [t for e in cache.entries for t in (e.past_keys, e.past_values)]
+        return tensors[0].dtype, sum(t.numel() * t.element_size() for t in tensors)
+
+    stock_dtype, stock_bytes = cached_bytes()
+    safelens_tl.activate()
+    dtype, patched_bytes = cached_bytes()
+    assert stock_dtype == torch.float32
+    assert dtype == torch.bfloat16
+    assert patched_bytes * 2 == stock_bytes
