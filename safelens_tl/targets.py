@@ -23,10 +23,14 @@ class KnownLayout:
     entry_path: str
     cache_path: str
     config_path: str
-    has_hooked_transformer: bool
     #: Dotted path of ``HookedTransformer`` (whose ``generate`` reserves the cache); ``None`` when
     #: the release has none.
     model_path: str | None = None
+
+    @property
+    def has_hooked_transformer(self) -> bool:
+        """Whether the release still ships ``HookedTransformer`` (4.x does not)."""
+        return self.model_path is not None
 
 
 #: The table. ``first_major``/``last_major`` are inclusive major versions of ``transformer-lens``.
@@ -38,7 +42,6 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         entry_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCacheEntry",
         cache_path="transformer_lens.past_key_value_caching.HookedTransformerKeyValueCache",
         config_path="transformer_lens.HookedTransformerConfig",
-        has_hooked_transformer=True,
         model_path="transformer_lens.HookedTransformer.HookedTransformer",
     ),
     KnownLayout(
@@ -48,7 +51,6 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
         cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
         config_path="transformer_lens.config.TransformerLensConfig",
-        has_hooked_transformer=True,
         model_path="transformer_lens.HookedTransformer.HookedTransformer",
     ),
     KnownLayout(
@@ -58,7 +60,6 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
         entry_path="transformer_lens.cache.key_value_cache_entry.TransformerLensKeyValueCacheEntry",
         cache_path="transformer_lens.cache.key_value_cache.TransformerLensKeyValueCache",
         config_path="transformer_lens.config.TransformerLensConfig",
-        has_hooked_transformer=False,
     ),
 )
 

@@ -109,14 +109,7 @@ def run_bridge(dtype: torch.dtype, device: str) -> BridgeResult:
     folder = str(model_folder())
     with _no_progress_bars():
         bridge = TransformerBridge.boot_transformers(folder, dtype=dtype, device=device)
-    common = {
-        "max_new_tokens": NEW_TOKENS,
-        "do_sample": False,
-        "verbose": False,
-        "padding_side": "left",
-        "stop_at_eos": False,
-        "return_type": "tokens",
-    }
+    common = checks.greedy_arguments(NEW_TOKENS)
     start = time.perf_counter()
     output = bridge.generate(
         list(checks.PROMPTS), use_past_kv_cache=True, output_logits=True, **common

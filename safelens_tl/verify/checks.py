@@ -172,9 +172,9 @@ class TimedGeneration:
         return self.seconds_uncached / max(self.seconds_cached, 1e-9)
 
 
-def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
-    """Generate greedily on the left-padded batch of two, cached then uncached, and time both."""
-    common = {
+def greedy_arguments(max_new_tokens: int) -> dict[str, Any]:
+    """``generate`` arguments for deterministic, comparable runs on the left-padded prompts."""
+    return {
         "max_new_tokens": max_new_tokens,
         "do_sample": False,
         "verbose": False,
@@ -182,6 +182,11 @@ def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
         "stop_at_eos": False,
         "return_type": "tokens",
     }
+
+
+def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
+    """Generate greedily on the left-padded batch of two, cached then uncached, and time both."""
+    common = greedy_arguments(max_new_tokens)
     start = time.perf_counter()
     cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
     middle = time.perf_counter()
