@@ -159,9 +159,10 @@ def _site_without_transformer_lens(folder: Path) -> Path:
         if item.name.lower().startswith(("transformer_lens", "transformer-lens")):
             continue
         (folder / item.name).symlink_to(item)
-    # The source tree of an editable install is found through a .pth, which -S skips.
+    # The source tree of an editable install is found through a .pth, which -S skips; an installed
+    # wheel lives in site-packages itself, which must not go on the path (it holds TL).
     source_root = Path(safelens_tl.__file__).resolve().parent.parent
-    return source_root
+    return folder if source_root == site_packages.resolve() else source_root
 
 
 def test_status_without_transformer_lens_says_so(tmp_path: Path) -> None:
