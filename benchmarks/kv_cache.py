@@ -56,7 +56,7 @@ FULL = Sizes(
     1024,
     3,
     # The long context's peak is its prompt's attention; the long generation's is the cache.
-    (("long context", 640, 160, 4), ("long generation", 32, 992, 4)),
+    (("long context", 640, 160, 4), ("long generation", 32, 480, 8)),
 )
 QUICK = Sizes((32, 128), 1, 2, 8, (4, 6, 1), (24, 8, 2), 64, 0, (("long context", 24, 8, 2),))
 
@@ -190,15 +190,20 @@ def bench_append(layout: targets.Layout, sizes: Sizes, results: Results) -> None
 # Generate ---------------------------------------------------------------------------------------
 
 
-def long_model(n_ctx: int) -> Any:
-    """The 2-layer GPT-2-like model of safelens_tl.verify with a context of ``n_ctx`` tokens."""
+#: Wider than the GPT-2-like model (d_model 512): its cache (tens of MiB) dominates the noise of a
+#: process's resident memory (allocator retention, library workspaces: a few MiB run to run).
+MEMORY_WIDTH = {"d_model": 512, "n_heads": 8, "d_head": 64, "d_mlp": 1024}
+
+
+def long_model(n_ctx: int, wide: bool = False) -> Any:
+    """The GPT-2-like model of safelens_tl.verify with ``n_ctx`` tokens (``wide``: d_model 512)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     from safelens_tl.verify import models
 
     torch.manual_seed(0)
     cfg = HookedTransformerConfig(
-        **{**models.GPT2_LIKE, "n_ctx": n_ctx},
+        **{**models.GPT2_LIKE, "n_ctx": n_ctx, **(MEMORY_WIDTH if wide else {})},
         d_vocab=models.vocab_size(),
         dtype=torch.float32,
         device="cpu",
@@ -290,7 +295,7 @@ def memory_child(variant: str, prompt: int, new: int, batch: int, n_ctx: int) ->
     Started with ``MALLOC_MMAP_THRESHOLD_`` low, so that freed tensor memory goes straight back to
     the system and RSS follows live memory rather than what glibc keeps for reuse.
     """
-    model = long_model(n_ctx)
+    model = long_model(n_ctx, wide=True)
     rise = generation_rise(model, _tokens(model, prompt, batch), new, variant == "patched")
     print(json.dumps({"variant": variant, "rise": rise}))
 
@@ -303,13 +308,16 @@ def bench_memory(sizes: Sizes, results: Results) -> None:
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": "65536",
+        # One arena, trimmed at once: the heap's own retention stays out of the measurement.
+        "MALLOC_TRIM_THRESHOLD_": "0",
+        "MALLOC_ARENA_MAX": "1",
         "SAFELENS_TL_AUTOPATCH": "0",
         "HF_HUB_OFFLINE": "1",
     }
     for label, prompt, new, batch in sizes.memory:
         rises: dict[str, list[int]] = {"stock": [], "patched": []}
         if not sizes.memory_runs:  # quick: same measurement in this process, no fresh start
-            model = long_model(sizes.long_n_ctx)
+            model = long_model(sizes.long_n_ctx, wide=True)
             tokens = _tokens(model, prompt, batch)
             for variant in rises:
                 rises[variant].append(generation_rise(model, tokens, new, variant == "patched"))
@@ -329,10 +337,10 @@ def bench_memory(sizes: Sizes, results: Results) -> None:
 
 
 def cache_bytes(positions: int, batch: int) -> int:
-    """Bytes of the whole fp32 cache of the long model at ``positions`` positions."""
+    """Bytes of the whole fp32 cache of the wide long model at ``positions`` positions."""
     from safelens_tl.verify import models
 
-    per_position = 2 * models.GPT2_LIKE["n_heads"] * models.GPT2_LIKE["d_head"] * 4
+    per_position = 2 * MEMORY_WIDTH["n_heads"] * MEMORY_WIDTH["d_head"] * 4
     return int(models.GPT2_LIKE["n_layers"] * batch * positions * per_position)
 
 
