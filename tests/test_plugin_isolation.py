@@ -230,18 +230,18 @@ def test_startup_hook_reads_only_the_opt_out_variable() -> None:
         ), ast.unparse(call)
 
 
+def _called_name(call: ast.Call) -> str:
+    """The bare name a call uses: ``f`` for ``f(...)``, ``attr`` for ``obj.attr(...)``."""
+    function = call.func
+    return function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+
+
 def test_startup_hook_executes_nothing_from_the_environment() -> None:
     """No eval/exec/dynamic import in _startup.py; every import names a fixed, expected module."""
     tree = ast.parse(Path(_startup.__file__).read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            function = node.func
-            name = (
-                function.attr
-                if isinstance(function, ast.Attribute)
-                else getattr(function, "id", "")
-            )
-            assert name not in FORBIDDEN_CALLS, ast.unparse(node)
+            assert _called_name(node) not in FORBIDDEN_CALLS, ast.unparse(node)
         if isinstance(node, ast.Import):
             assert {alias.name for alias in node.names} <= STARTUP_IMPORTS, ast.unparse(node)
         if isinstance(node, ast.ImportFrom):
@@ -260,12 +260,7 @@ def test_automatic_path_reads_no_other_variable_and_finds_plugins_only_by_entry_
         assert not _environment_reads(tree), f"{path.name} reads the environment"
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
-                function = node.func
-                name = (
-                    function.attr
-                    if isinstance(function, ast.Attribute)
-                    else getattr(function, "id", "")
-                )
+                name = _called_name(node)
                 # import_module is allowed in targets.py only: it imports the table's fixed paths.
                 allowed = {"import_module"} if path.name == "targets.py" else set()
                 assert name not in FORBIDDEN_CALLS - allowed, f"{path.name}: {ast.unparse(node)}"
