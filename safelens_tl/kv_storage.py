@@ -5,6 +5,10 @@ past lives in a buffer with spare capacity; an append writes only the new positi
 ``past_keys``/``past_values`` are views of exactly the cached length. Positions already handed out
 are never written again, so a tensor returned earlier never changes.
 
+Layout: the buffers are head-major, ``[batch, heads, capacity, d_head]``, and hand out
+``[batch, pos, heads, d_head]`` views, so that attention reads them without a copy (see
+:class:`KVStorage`).
+
 Capacity: a new buffer holds the needed positions plus 25% (amortized O(1) appends, at most 25%
 spare), capped at the model's ``n_ctx``. Where the final length is known, a reservation sizes new
 buffers exactly instead: :func:`reserve` (a total) or :func:`reserve_ahead` (positions beyond the
@@ -16,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,7 +94,16 @@ def capacity_for(needed: int, limit: int | None) -> int:
 
 @dataclass(eq=False)
 class KVStorage:
-    """Buffers ``[batch, capacity, heads, d_head]`` and the views last handed to the entry."""
+    """Buffers ``[batch, heads, capacity, d_head]`` and the views last handed to the entry.
+
+    The buffers are head-major; the views handed out are ``[batch, pos, heads, d_head]`` as
+    TransformerLens expects (``transpose`` then ``narrow``, no copy). Head-major is what attention
+    wants: TransformerLens rearranges keys to ``[batch, heads, d_head, pos]`` and values to
+    ``[batch, heads, pos, d_head]`` before ``matmul``, and from this layout both are plain strided
+    views that ``bmm`` reads directly. From the stock ``[batch, pos, heads, d_head]`` layout (or a
+    slice of it) torch must first copy the whole past into a contiguous tensor, every token,
+    every layer, whenever the batch holds more than one sequence.
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -98,10 +111,19 @@ class KVStorage:
     keys_view: torch.Tensor
     values_view: torch.Tensor
 
+    keys_by_position: torch.Tensor = field(init=False, repr=False)
+    values_by_position: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The buffers seen as [batch, capacity, heads, d_head], made once per buffer, so that a
+        # token costs one view (narrow) per tensor, no more than a position-major buffer would.
+        self.keys_by_position = self.keys.transpose(1, 2)
+        self.values_by_position = self.values.transpose(1, 2)
+
     @property
     def capacity(self) -> int:
         """Positions the buffers can hold without growing."""
-        return int(self.keys.size(1))
+        return int(self.keys.size(2))
 
     @property
     def reserved_bytes(self) -> int:
@@ -150,14 +172,14 @@ class KVStorage:
             return False
         batch, positions, heads, d_head = key_shape
         stop = self.length + positions
-        if positions < 1 or stop > keys.size(1) or value_shape[1] != positions:
+        if positions < 1 or stop > keys.size(2) or value_shape[1] != positions:
             return False
         buffer_shape, values_shape = keys.shape, values.shape
-        if (batch, heads, d_head) != (buffer_shape[0], buffer_shape[2], buffer_shape[3]):
+        if (batch, heads, d_head) != (buffer_shape[0], buffer_shape[1], buffer_shape[3]):
             return False
         if (value_shape[0], value_shape[2], value_shape[3]) != (
             values_shape[0],
-            values_shape[2],
+            values_shape[1],
             values_shape[3],
         ):
             return False
@@ -178,22 +200,24 @@ class KVStorage:
         self, new_keys: torch.Tensor, new_values: torch.Tensor, positions: int, stop: int
     ) -> None:
         start = self.length
+        keys, values = self.keys_by_position, self.values_by_position
         # narrow() is the cheapest view torch offers from Python; this runs once per token.
-        self.keys.narrow(1, start, positions).copy_(new_keys)
-        self.values.narrow(1, start, positions).copy_(new_values)
+        keys.narrow(1, start, positions).copy_(new_keys)
+        values.narrow(1, start, positions).copy_(new_values)
         self.length = stop
-        self.keys_view = self.keys.narrow(1, 0, stop)
-        self.values_view = self.values.narrow(1, 0, stop)
+        self.keys_view = keys.narrow(1, 0, stop)
+        self.values_view = values.narrow(1, 0, stop)
 
 
 def _buffer_with(past: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
     cached = past.size(1)
     batch, _, heads, d_head = new.shape
-    buffer = torch.empty((batch, capacity, heads, d_head), dtype=new.dtype, device=new.device)
+    buffer = torch.empty((batch, heads, capacity, d_head), dtype=new.dtype, device=new.device)
+    positions = buffer.transpose(1, 2)  # [batch, capacity, heads, d_head], a view
     if cached:
         # copy_ converts dtype and device in one pass; an empty past is never read (it may be meta).
-        buffer[:, :cached].copy_(past)
-    buffer[:, cached : cached + new.size(1)].copy_(new)
+        positions[:, :cached].copy_(past)
+    positions[:, cached : cached + new.size(1)].copy_(new)
     return buffer
 
 
@@ -209,4 +233,10 @@ def allocate(
     capacity = capacity_for(length, limit)
     keys = _buffer_with(past_keys, new_keys, capacity)
     values = _buffer_with(past_values, new_values, capacity)
-    return KVStorage(keys, values, length, keys.narrow(1, 0, length), values.narrow(1, 0, length))
+    return KVStorage(
+        keys,
+        values,
+        length,
+        keys.transpose(1, 2).narrow(1, 0, length),
+        values.transpose(1, 2).narrow(1, 0, length),
+    )

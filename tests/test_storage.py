@@ -139,6 +139,27 @@ def test_reserved_entry_never_regrows(
     assert allocations[0].capacity == allocations[0].length == 32
 
 
+@torch.inference_mode()
+def test_attention_reads_the_cache_without_copying_it(patched: Any, entry_class: type) -> None:
+    """TL's attention flattens ``[batch, heads]`` of the rearranged keys/values before ``bmm``.
+
+    From a position-major cache (stock's, or a slice of a position-major buffer) that reshape
+    copies the whole past at every token; from the head-major buffer it is a view. A regression
+    of the layout shows up here as a reshape that no longer shares memory with the cache.
+    """
+    entry = new_entry(entry_class)
+    entry.append(*kv(5))
+    for _ in range(7):  # through at least one regrowth
+        keys, values = entry.append(*kv(1))
+    length = keys.size(1)
+    assert keys.shape == values.shape == (BATCH, length, HEADS, D_HEAD)
+    # The rearrangements of calculate_attention_scores / calculate_z_scores, then matmul's flatten.
+    keys_for_scores = keys.permute(0, 2, 3, 1).reshape(BATCH * HEADS, D_HEAD, length)
+    values_for_z = values.permute(0, 2, 1, 3).reshape(BATCH * HEADS, length, D_HEAD)
+    assert keys_for_scores.data_ptr() == keys.data_ptr()
+    assert values_for_z.data_ptr() == values.data_ptr()
+
+
 # the fast path ----------------------------------------------------------------------------------
 
 
