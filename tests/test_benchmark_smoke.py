@@ -25,11 +25,12 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "append, one token" in done.stdout
+    assert "append (batch" in done.stdout and ", ratios" in done.stdout
     results = json.loads(output.read_text())
     assert [row["cached"] for row in results["append"]] == [32, 128]
     for row in results["append"]:
-        assert all(row[k] > 0 for k in ("stock", "patched", "amortized", "raw"))
+        assert all(row[k] > 0 for k in ("stock", "patched", "amortized", "raw", "floor"))
+        assert row["floor"] > row["raw"]  # the floor is the raw write plus a regrowth share
     if HAS_HOOKED_TRANSFORMER:
         assert [row["context"] for row in results["generate"]] == ["short", "long"]
         assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["generate"])
