@@ -27,7 +27,8 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``, and
-    ``HookedTransformer.generate`` (cache reserved at its final length) where the release has it.
+    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length) where
+    the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [
@@ -40,10 +41,15 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     if isinstance(original_init_cache, classmethod):
         patches.append(Patch(cache, "init_cache", _labelling_init_cache(original_init_cache)))
     model = layout.model_class()
-    original_generate = model.__dict__.get("generate") if model is not None else None
-    if model is not None and callable(original_generate):
-        # Sizes each layer's cache once for prompt + max_new_tokens (no regrowth, no spare).
-        patches.append(
-            Patch(model, "generate", generate_reserve.reserving_generate(original_generate))
-        )
+    if model is None:
+        return patches
+    # Each sizes every layer's cache once, for prompt + max_new_tokens (no regrowth, no spare).
+    # generate_stream exists from TL 3.9 on; its presence is checked, not the release.
+    for name, wrap in (
+        ("generate", generate_reserve.reserving_generate),
+        ("generate_stream", generate_reserve.reserving_generate_stream),
+    ):
+        original = model.__dict__.get(name)
+        if callable(original):
+            patches.append(Patch(model, name, wrap(original)))
     return patches

@@ -1,4 +1,4 @@
-"""``HookedTransformer.generate`` that reserves its KV cache at the final length up front.
+"""``HookedTransformer.generate`` (and ``generate_stream``) reserving the KV cache up front.
 
 ``generate`` knows how many positions it will add (``max_new_tokens``), so each layer's buffer can
 be sized once, at the prompt, instead of growing by 25% several times (copies, and up to 25% spare
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from safelens_tl import kv_storage
@@ -66,3 +66,43 @@ def reserving_generate(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
 
     return generate
+
+
+def _reserved_while_running(stream: Iterator[Any], ahead: int) -> Generator[Any, None, Any]:
+    """Yield what ``stream`` yields, with the reservation in force only while ``stream`` runs.
+
+    A context variable set inside a generator would stay set in the caller's context between
+    items, so any cache the caller fills meanwhile would be reserved too. Setting it around each
+    step of the original keeps it to the original's own appends.
+    """
+    try:
+        while True:
+            with kv_storage.reserve_ahead(ahead):
+                try:
+                    item = next(stream)
+                except StopIteration as stop:
+                    return stop.value
+            yield item
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()  # a caller that stops early releases the original (and its cache) at once
+
+
+def reserving_generate_stream(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``original`` (``HookedTransformer.generate_stream``, TL 3.9+) like ``generate``.
+
+    The wrapper returns the original's generator wrapped, so argument errors still surface at the
+    call, as they do for the original generator function.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate_stream(*args: Any, **kwargs: Any) -> Any:
+        ahead = positions_ahead(signature, args, kwargs)
+        stream = original(*args, **kwargs)
+        if ahead is None:
+            return stream
+        return _reserved_while_running(stream, ahead)
+
+    return generate_stream

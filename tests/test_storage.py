@@ -271,6 +271,60 @@ def test_generate_wrapper_keeps_the_signature_and_is_removed(patched: Any) -> No
     assert model_class.__dict__["generate"] is original
 
 
+_MODEL_CLASS = LAYOUT.model_class()
+requires_generate_stream = pytest.mark.skipif(
+    _MODEL_CLASS is None or "generate_stream" not in _MODEL_CLASS.__dict__,
+    reason=f"TransformerLens {LAYOUT.release} has no HookedTransformer.generate_stream",
+)
+
+
+@requires_generate_stream
+def test_generate_stream_reserves_once_and_streams_the_same_tokens(
+    allocations: list[kv_storage.KVStorage],
+) -> None:
+    from safelens_tl.verify.models import build_model
+
+    model = build_model("llama-like-gqa", torch.float32)
+    tokens = model.to_tokens(["the bird sings", "old stone falls and"])
+    kwargs: dict[str, Any] = {"max_new_tokens": 9, "max_tokens_per_yield": 4}
+    kwargs.update(do_sample=False, stop_at_eos=False, verbose=False)
+    stock = list(model.generate_stream(tokens, **kwargs))
+    assert not allocations  # stock TL never calls our storage
+    safelens_tl.activate()
+    streamed = model.generate_stream(tokens, **kwargs)
+    first = next(streamed)
+    # Between items the caller's own caches are not reserved: the reservation is the stream's.
+    assert kv_storage.capacity_for(8, None) == 10
+    ours = [first, *streamed]
+    assert len(ours) == len(stock) > 1
+    assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
+    assert len(allocations) == model.cfg.n_layers  # one buffer per layer, never regrown
+    for storage in allocations:
+        assert storage.capacity == storage.length == tokens.size(1) + 9 - 1
+
+
+@requires_generate_stream
+def test_generate_stream_wrapper_is_removed_and_an_early_stop_closes_the_original(
+    patched: Any,
+) -> None:
+    from safelens_tl.verify.models import build_model
+
+    assert _MODEL_CLASS is not None
+    wrapper = _MODEL_CLASS.__dict__["generate_stream"]
+    assert inspect.signature(wrapper) == inspect.signature(wrapper.__wrapped__)
+    model = build_model("gpt2-like", torch.float32)
+    stream = model.generate_stream(
+        model.to_tokens(["the cat runs"]), max_new_tokens=6, max_tokens_per_yield=1, verbose=False
+    )
+    next(stream)
+    original_stream = stream.gi_frame.f_locals["stream"]  # the generator TL's method returned
+    assert original_stream.gi_frame is not None  # suspended mid-generation
+    stream.close()
+    assert original_stream.gi_frame is None  # closed with the wrapper, not left to the GC
+    safelens_tl.deactivate()
+    assert _MODEL_CLASS.__dict__["generate_stream"] is wrapper.__wrapped__
+
+
 @requires_hooked_transformer
 def test_autocast_cache_is_bf16_and_half_the_bytes() -> None:
     from safelens_tl.verify.models import build_model
