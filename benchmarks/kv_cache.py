@@ -54,7 +54,7 @@ FULL = Sizes(
     (8, 48, 1),
     (640, 160, 4),
     1024,
-    3,
+    5,
     # The long context's peak is its prompt's attention; the long generation's is the cache.
     (("long context", 640, 160, 4), ("long generation", 32, 480, 8)),
 )

@@ -179,15 +179,15 @@ def append(
             self.past_keys, self.past_values = keys, values
         return keys, values
 
-    if (
-        storage is not None
-        and storage.backs(past_keys, past_values)
-        and storage.can_write(new_keys, new_values)
-    ):
+    ours = storage is not None and storage.backs(past_keys, past_values)
+    if storage is not None and ours and storage.can_write(new_keys, new_values):
         storage.write(new_keys, new_values)
     else:
+        # A plan (reserve_ahead) is kept only while the past is still ours: a reassigned past
+        # (truncation, beam search) grows by the usual 25% instead.
+        planned = storage.planned if storage is not None and ours else None
         storage = kv_storage.allocate(
-            past_keys, past_values, new_keys, new_values, self.__dict__.get(_LIMIT)
+            past_keys, past_values, new_keys, new_values, self.__dict__.get(_LIMIT), planned
         )
         self.__dict__[_STORAGE] = storage
     self.past_keys, self.past_values = storage.keys_view, storage.values_view

@@ -10,7 +10,7 @@ Layout: the buffers are head-major, ``[batch, heads, capacity, d_head]``, and ha
 :class:`KVStorage`).
 
 Capacity: a new buffer holds the needed positions plus 25% (amortized O(1) appends, at most 25%
-spare), capped at the model's ``n_ctx``. Where the final length is known, a reservation sizes new
+spare), capped at the model's ``n_ctx``. Where the final length is known, a reservation sizes
 buffers exactly instead: :func:`reserve` (a total) or :func:`reserve_ahead` (positions beyond the
 first write, used by ``generate``, whose prompt length is only known once it is tokenized).
 """
@@ -59,11 +59,15 @@ def reserve(total_positions: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def reserve_ahead(extra_positions: int) -> Iterator[None]:
-    """Within this block, size new buffers for what they must hold now plus ``extra_positions``.
+    """Within this block, plan each new cache for its first write plus ``extra_positions``.
 
     ``generate`` knows how many tokens it will add (``max_new_tokens``) but its prompt length only
-    once it has tokenized the input; the first write of each layer is the prompt, so its buffer
-    gets exactly prompt + ``extra_positions`` without this module re-tokenizing anything.
+    once it has tokenized the input. The first write of each layer (the prompt) is stored exactly,
+    and the storage remembers prompt + ``extra_positions``; the first time the layer needs more
+    room it gets exactly that total, once. Why not reserve the total at the prompt: the prompt's
+    forward pass is where attention's memory peaks, and a cache already holding every future
+    position would raise that peak above stock's (on CUDA the whole buffer is allocated at once).
+    The price is one copy of the prompt's keys and values per layer, at the first new token.
     """
     token = _reserved_ahead.set(_require_count("extra_positions", extra_positions))
     try:
@@ -72,24 +76,33 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
         _reserved_ahead.reset(token)
 
 
-def capacity_for(needed: int, limit: int | None) -> int:
+def capacity_for(needed: int, limit: int | None, planned: int | None = None) -> int:
     """Return the number of positions to allocate when ``needed`` positions must fit.
 
-    A reservation in force wins when it is large enough; otherwise grow by 25%. Neither goes
-    beyond ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is larger.
+    A :func:`reserve` in force wins when it is large enough, then a ``planned`` total (what
+    :func:`reserve_ahead` set for this cache) when large enough; otherwise grow by 25%. A plan or
+    growth never goes beyond ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is larger.
     """
     reserved = _reserved_positions.get()
     if reserved is not None and reserved >= needed:
         return reserved
-    ahead = _reserved_ahead.get()
-    if ahead is not None:
-        wanted = needed + ahead
+    if planned is not None and planned >= needed:
+        wanted = planned
     else:
         growth = needed * (_GROWTH_NUMERATOR - _GROWTH_DENOMINATOR) // _GROWTH_DENOMINATOR
         wanted = needed + max(growth, 1)
     if limit is not None and needed <= limit:
         wanted = min(wanted, limit)
     return wanted
+
+
+def plan_for_first_write(length: int) -> int | None:
+    """The total a new cache whose first write holds ``length`` positions is planned for.
+
+    ``None`` unless :func:`reserve_ahead` is in force.
+    """
+    ahead = _reserved_ahead.get()
+    return None if ahead is None else length + ahead
 
 
 @dataclass(eq=False)
@@ -110,6 +123,8 @@ class KVStorage:
     length: int
     keys_view: torch.Tensor
     values_view: torch.Tensor
+    #: The total this cache is planned to reach (see :func:`reserve_ahead`), or ``None``.
+    planned: int | None = None
 
     keys_by_position: torch.Tensor = field(init=False, repr=False)
     values_by_position: torch.Tensor = field(init=False, repr=False)
@@ -227,10 +242,19 @@ def allocate(
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
     limit: int | None,
+    planned: int | None = None,
 ) -> KVStorage:
-    """Return new storage holding the past, then the new positions, in the new dtype/device."""
+    """Return new storage holding the past, then the new positions, in the new dtype/device.
+
+    ``planned``: the total the previous storage of this cache was planned for, if any. A cache's
+    first write under :func:`reserve_ahead` starts a plan and is stored exactly (no spare).
+    """
     length = past_keys.size(1) + new_keys.size(1)
-    capacity = capacity_for(length, limit)
+    if planned is None and past_keys.size(1) == 0:
+        planned = plan_for_first_write(length)
+        capacity = capacity_for(length, limit, length if planned is not None else None)
+    else:
+        capacity = capacity_for(length, limit, planned)
     keys = _buffer_with(past_keys, new_keys, capacity)
     values = _buffer_with(past_values, new_values, capacity)
     return KVStorage(
@@ -239,4 +263,5 @@ def allocate(
         length,
         keys.transpose(1, 2).narrow(1, 0, length),
         values.transpose(1, 2).narrow(1, 0, length),
+        planned,
     )

@@ -60,13 +60,19 @@ def test_reservations_size_exactly_and_nest() -> None:
     with kv_storage.reserve(500):
         assert kv_storage.capacity_for(10, 4096) == 500
         assert kv_storage.capacity_for(600, 4096) == 750  # too small a reservation: grow
+        assert kv_storage.capacity_for(10, 4096, planned=40) == 500  # reserve wins over a plan
     with kv_storage.reserve_ahead(31):
-        assert kv_storage.capacity_for(9, 4096) == 40
-        assert kv_storage.capacity_for(9, 20) == 20  # capped at n_ctx
+        assert kv_storage.plan_for_first_write(9) == 40
         with kv_storage.reserve_ahead(0):
-            assert kv_storage.capacity_for(9, None) == 9
-        assert kv_storage.capacity_for(9, None) == 40
-    assert kv_storage.capacity_for(8, None) == 10
+            assert kv_storage.plan_for_first_write(9) == 9
+        assert kv_storage.plan_for_first_write(9) == 40
+    assert kv_storage.plan_for_first_write(9) is None
+
+
+def test_a_plan_sizes_exactly_within_n_ctx() -> None:
+    assert kv_storage.capacity_for(10, 4096, planned=40) == 40
+    assert kv_storage.capacity_for(10, 20, planned=40) == 20  # capped at n_ctx
+    assert kv_storage.capacity_for(50, 4096, planned=40) == 62  # outgrown: 25% as usual
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10", None])
@@ -127,7 +133,7 @@ def test_returned_tensors_never_change(patched: Any, entry_class: type) -> None:
 
 
 @torch.inference_mode()
-def test_reserved_entry_never_regrows(
+def test_reserve_ahead_stores_the_first_write_exactly_then_grows_once_to_the_plan(
     patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
 ) -> None:
     entry = new_entry(entry_class)
@@ -135,8 +141,22 @@ def test_reserved_entry_never_regrows(
         entry.append(*kv(12))
         for _ in range(20):
             entry.append(*kv(1))
-    assert len(allocations) == 1
-    assert allocations[0].capacity == allocations[0].length == 32
+    # The prompt, exactly (no future positions during its forward pass), then the planned total.
+    assert [storage.capacity for storage in allocations] == [12, 32]
+    assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == 32
+
+
+@torch.inference_mode()
+def test_a_reassigned_past_drops_the_plan(
+    patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
+) -> None:
+    entry = new_entry(entry_class)
+    with kv_storage.reserve_ahead(100):
+        entry.append(*kv(12))
+        entry.past_keys, entry.past_values = entry.past_keys[:, :8], entry.past_values[:, :8]
+        entry.append(*kv(1))  # truncated by the user: the plan for 112 no longer applies
+    assert allocations[-1].length == 9
+    assert allocations[-1].capacity == kv_storage.capacity_for(9, None) < 112
 
 
 @torch.inference_mode()
@@ -219,7 +239,7 @@ def test_try_write_refuses_anything_unusual_and_changes_nothing(case: str) -> No
 
 @requires_hooked_transformer
 @pytest.mark.parametrize("as_text", [False, True])
-def test_generate_reserves_exactly_once_per_layer(
+def test_generate_stores_the_prompt_then_reserves_the_final_length_once(
     patched: Any, allocations: list[kv_storage.KVStorage], as_text: bool
 ) -> None:
     from safelens_tl.verify.models import build_model
@@ -230,8 +250,17 @@ def test_generate_reserves_exactly_once_per_layer(
     prompt_length = model.to_tokens(texts).size(1)
     new = 9
     model.generate(prompt, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False)
-    assert len(allocations) == model.cfg.n_layers  # one buffer per layer, never regrown
-    for storage in allocations:
+    _assert_prompt_then_final_per_layer(allocations, model.cfg.n_layers, prompt_length, new)
+
+
+def _assert_prompt_then_final_per_layer(
+    allocations: list[kv_storage.KVStorage], layers: int, prompt_length: int, new: int
+) -> None:
+    """Each layer: the prompt stored exactly, then one buffer of exactly the final length."""
+    assert len(allocations) == 2 * layers
+    for storage in allocations[:layers]:
+        assert storage.capacity == prompt_length
+    for storage in allocations[layers:]:
         # The last sampled token is never fed back, so the cache ends at prompt + new - 1.
         assert storage.capacity == storage.length == prompt_length + new - 1
 
@@ -279,7 +308,7 @@ requires_generate_stream = pytest.mark.skipif(
 
 
 @requires_generate_stream
-def test_generate_stream_reserves_once_and_streams_the_same_tokens(
+def test_generate_stream_reserves_like_generate_and_streams_the_same_tokens(
     allocations: list[kv_storage.KVStorage],
 ) -> None:
     from safelens_tl.verify.models import build_model
@@ -298,9 +327,7 @@ def test_generate_stream_reserves_once_and_streams_the_same_tokens(
     ours = [first, *streamed]
     assert len(ours) == len(stock) > 1
     assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
-    assert len(allocations) == model.cfg.n_layers  # one buffer per layer, never regrown
-    for storage in allocations:
-        assert storage.capacity == storage.length == tokens.size(1) + 9 - 1
+    _assert_prompt_then_final_per_layer(allocations, model.cfg.n_layers, tokens.size(1), 9)
 
 
 @requires_generate_stream
