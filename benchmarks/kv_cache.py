@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -50,7 +51,7 @@ class Sizes:
 FULL = Sizes(
     (256, 1024, 4096, 8192),
     5,
-    (21, 9),
+    (31, 9),
     4,
     64,
     (8, 48, 1),
@@ -90,14 +91,33 @@ def patched(on: bool) -> Iterator[None]:
         safelens_tl.deactivate()
 
 
-def best_of(rounds: int, variants: dict[str, Callable[[], float]]) -> dict[str, float]:
-    """Run each variant once per round, alternating, and keep each one's smallest result."""
+def best_of(
+    rounds: int,
+    variants: dict[str, Callable[[], float]],
+    samples: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
+    """Run each variant once per round, alternating, and keep each one's smallest result.
+
+    ``samples``, when given, receives every result, in round order.
+    """
     best = {name: float("inf") for name in variants}
     for _ in range(rounds):
         for name, run in variants.items():
             gc.collect()
-            best[name] = min(best[name], run())
+            result = run()
+            best[name] = min(best[name], result)
+            if samples is not None:
+                samples.setdefault(name, []).append(result)
     return best
+
+
+def median_paired_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median over rounds of one variant's time over the other's in the same round.
+
+    A second estimate next to the ratio of bests: on a shared 2-core machine a round is sometimes
+    twice as slow for reasons of its own, and a pair run back to back shares most of that.
+    """
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
 # Append -----------------------------------------------------------------------------------------
@@ -264,12 +284,14 @@ def bench_generate(sizes: Sizes, results: Results) -> None:
         tokens = _tokens(model, prompt, batch)
         time_generate(model, tokens, new, True)  # warm-up: first-call costs are no one's
         time_generate(model, tokens, new, False)
+        samples: dict[str, list[float]] = {}
         best = best_of(
             rounds,
             {
                 "stock": lambda m=model, t=tokens, n=new: time_generate(m, t, n, False),
                 "patched": lambda m=model, t=tokens, n=new: time_generate(m, t, n, True),
             },
+            samples,
         )
         results.generate.append(
             {
@@ -280,6 +302,7 @@ def bench_generate(sizes: Sizes, results: Results) -> None:
                 "stock": batch * new / best["stock"],
                 "patched": batch * new / best["patched"],
                 "rounds": rounds,
+                "paired": median_paired_ratio(samples["stock"], samples["patched"]),
             }
         )
 
@@ -480,6 +503,7 @@ def report(results: Results) -> None:
         )
         for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
+        table.add_column("median of pairs", justify="right")
         for row in results.generate:
             table.add_row(
                 str(row["context"]),
@@ -488,6 +512,7 @@ def report(results: Results) -> None:
                 f"{row['stock']:,.0f}",
                 f"{row['patched']:,.0f}",
                 _ratio(row["patched"] / row["stock"]),
+                _ratio(row["paired"]),
             )
         console.print(table)
     if results.memory:
