@@ -11,6 +11,7 @@ What is measured and how is explained in docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -72,7 +73,7 @@ class Results:
 
     machine: dict[str, str] = field(default_factory=dict)
     append: list[dict[str, float]] = field(default_factory=list)
-    generate: list[dict[str, float]] = field(default_factory=list)
+    generate: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     autocast: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -153,7 +154,8 @@ def stock_append(layout: targets.Layout, cached: int, count: int) -> float:
     """Stock ``torch.cat`` append with ``cached`` positions already in the entry."""
     cfg = _append_cfg(layout, 2 * cached + count)
     with patched(False), torch.inference_mode():
-        entry = layout.entry_class.init_cache_entry(cfg, "cpu", BATCH)
+        entry_class: Any = layout.entry_class
+        entry = entry_class.init_cache_entry(cfg, "cpu", BATCH)
         entry.past_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
         entry.past_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
         return _time_appends(entry, count)
@@ -168,7 +170,8 @@ def patched_append(layout: targets.Layout, cached: int, count: int, amortized: b
     """
     cfg = _append_cfg(layout, 2 * cached + count)
     with patched(True), torch.inference_mode():
-        entry = layout.entry_class.init_cache_entry(cfg, "cpu", BATCH)
+        entry_class: Any = layout.entry_class
+        entry = entry_class.init_cache_entry(cfg, "cpu", BATCH)
         prompt_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
         prompt_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
         with kv_storage.reserve(cached if amortized else cached + count):
@@ -219,11 +222,13 @@ def bench_append(layout: targets.Layout, sizes: Sizes, results: Results) -> None
         best = best_of(
             sizes.rounds,
             {
-                "stock": lambda c=cached: stock_append(layout, c, sizes.stock_appends),
-                "patched": lambda c=cached: patched_append(layout, c, sizes.patched_appends, False),
-                "amortized": lambda c=cached: patched_append(layout, c, 0, True),
-                "raw": lambda c=cached: raw_write(c, sizes.patched_appends),
-                "regrowth": lambda c=cached: regrowth_floor(c),
+                "stock": functools.partial(stock_append, layout, cached, sizes.stock_appends),
+                "patched": functools.partial(
+                    patched_append, layout, cached, sizes.patched_appends, False
+                ),
+                "amortized": functools.partial(patched_append, layout, cached, 0, True),
+                "raw": functools.partial(raw_write, cached, sizes.patched_appends),
+                "regrowth": functools.partial(regrowth_floor, cached),
             },
         )
         row = {"cached": cached, **{k: v * 1e6 for k, v in best.items()}}
@@ -288,8 +293,8 @@ def bench_generate(sizes: Sizes, results: Results) -> None:
         best = best_of(
             rounds,
             {
-                "stock": lambda m=model, t=tokens, n=new: time_generate(m, t, n, False),
-                "patched": lambda m=model, t=tokens, n=new: time_generate(m, t, n, True),
+                "stock": functools.partial(time_generate, model, tokens, new, False),
+                "patched": functools.partial(time_generate, model, tokens, new, True),
             },
             samples,
         )
@@ -399,7 +404,8 @@ def autocast_cache(model: Any, tokens: torch.Tensor, steps: int, on: bool) -> di
     """Run cached forwards under bf16 ``torch.autocast`` on CPU; report cache dtype and bytes."""
     layout = targets.locate()
     with patched(on), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        cache = layout.cache_class.init_cache(model.cfg, "cpu", tokens.size(0))
+        cache_class: Any = layout.cache_class
+        cache = cache_class.init_cache(model.cfg, "cpu", tokens.size(0))
         logits = model(tokens, past_kv_cache=cache)
         for _ in range(steps):
             logits = model(logits[:, -1:].argmax(-1), past_kv_cache=cache)

@@ -43,3 +43,17 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     else:
         assert results["generate"] == []
         assert any("no HookedTransformer" in note for note in results["notes"])
+
+
+def test_fresh_memory_copy_prints_its_table() -> None:
+    script = BENCHMARK.parent / "fresh_memory_copy.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "into fresh memory" in done.stdout
+    assert all(str(cached) in done.stdout for cached in (1024, 4096, 8192))
