@@ -252,6 +252,7 @@ def allocate(
     length = past_keys.size(1) + new_keys.size(1)
     if planned is None and past_keys.size(1) == 0:
         planned = plan_for_first_write(length)
+        # Under a plan the first write (the prompt) is stored exactly; see reserve_ahead.
         capacity = capacity_for(length, limit, length if planned is not None else None)
     else:
         capacity = capacity_for(length, limit, planned)

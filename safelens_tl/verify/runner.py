@@ -8,6 +8,7 @@ to device") and warnings while models are built; both are kept out of the report
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import time
@@ -255,64 +256,62 @@ def _builtin_hooked_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str])
     return tasks
 
 
-def _cache_class_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+def _cache_class_check(dtype: torch.dtype, device: str) -> CheckResult:
     from safelens_tl.verify import cache_class_checks
 
-    tasks = []
-    for dtype in dtypes:
-        for device in devices:
-
-            def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
-                problems = cache_class_checks.cache_class_problems(dtype, device)
-                return CheckResult(
-                    model="cache classes (GQA)",
-                    dtype=diagnostics.dtype_name(dtype),
-                    device=device,
-                    kind="cache-class",
-                    passed=not problems,
-                    cache_heads=cache_class_checks.N_KEY_VALUE_HEADS if not problems else None,
-                    expected_cache_heads=cache_class_checks.N_KEY_VALUE_HEADS,
-                    error="; ".join(problems) or None,
-                )
-
-            tasks.append(_guarded("cache classes (GQA)", dtype, device, run))
-    return tasks
+    problems = cache_class_checks.cache_class_problems(dtype, device)
+    return CheckResult(
+        model="cache classes (GQA)",
+        dtype=diagnostics.dtype_name(dtype),
+        device=device,
+        kind="cache-class",
+        passed=not problems,
+        cache_heads=cache_class_checks.N_KEY_VALUE_HEADS if not problems else None,
+        expected_cache_heads=cache_class_checks.N_KEY_VALUE_HEADS,
+        error="; ".join(problems) or None,
+    )
 
 
-def _bridge_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+def _bridge_check(dtype: torch.dtype, device: str) -> CheckResult:
     from safelens_tl.verify import bridge
 
-    tasks = []
-    for dtype in dtypes:
-        for device in devices:
+    measured = bridge.run_bridge(dtype, device)
+    result = CheckResult(
+        model=bridge.MODEL_NAME,
+        dtype=diagnostics.dtype_name(dtype),
+        device=device,
+        kind="bridge",
+        tolerance=tolerance_for(dtype),
+        max_rel_err=measured.max_rel_err,
+        generate_ok=True,
+        greedy_agreement=measured.agreement,
+        ms_per_token_cached=1000 * measured.seconds_cached / bridge.NEW_TOKENS,
+        ms_per_token_uncached=1000 * measured.seconds_uncached / bridge.NEW_TOKENS,
+        speedup=measured.seconds_uncached / max(measured.seconds_cached, 1e-9),
+    )
+    result.passed = measured.max_rel_err <= (result.tolerance or 0.0)
+    if not result.passed:
+        result.error = (
+            f"TransformerBridge's cached generate gives logits that differ from an "
+            f"uncached forward by {measured.max_rel_err:.2e} (relative), above the "
+            f"tolerance {result.tolerance:.0e}; this is TransformerLens's own "
+            f"Hugging Face cache path, which safelens-tl does not patch"
+        )
+    return result
 
-            def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
-                measured = bridge.run_bridge(dtype, device)
-                result = CheckResult(
-                    model=bridge.MODEL_NAME,
-                    dtype=diagnostics.dtype_name(dtype),
-                    device=device,
-                    kind="bridge",
-                    tolerance=tolerance_for(dtype),
-                    max_rel_err=measured.max_rel_err,
-                    generate_ok=True,
-                    greedy_agreement=measured.agreement,
-                    ms_per_token_cached=1000 * measured.seconds_cached / bridge.NEW_TOKENS,
-                    ms_per_token_uncached=1000 * measured.seconds_uncached / bridge.NEW_TOKENS,
-                    speedup=measured.seconds_uncached / max(measured.seconds_cached, 1e-9),
-                )
-                result.passed = measured.max_rel_err <= (result.tolerance or 0.0)
-                if not result.passed:
-                    result.error = (
-                        f"TransformerBridge's cached generate gives logits that differ from an "
-                        f"uncached forward by {measured.max_rel_err:.2e} (relative), above the "
-                        f"tolerance {result.tolerance:.0e}; this is TransformerLens's own "
-                        f"Hugging Face cache path, which safelens-tl does not patch"
-                    )
-                return result
 
-            tasks.append(_guarded(bridge.MODEL_NAME, dtype, device, run))
-    return tasks
+def _per_dtype_and_device(
+    label: str,
+    check: Callable[[torch.dtype, str], CheckResult],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[str],
+) -> list[Task]:
+    """One guarded task running ``check(dtype, device)`` for each dtype and device."""
+    return [
+        _guarded(label, dtype, device, functools.partial(check, dtype, device))
+        for dtype in dtypes
+        for device in devices
+    ]
 
 
 def _control(dtypes: Sequence[torch.dtype]) -> dict[str, Any] | None:
@@ -340,9 +339,11 @@ def builtin_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list
     tasks: list[Task] = []
     if _has_hooked_transformer():
         tasks.extend(_builtin_hooked_tasks(dtypes, devices))
-    tasks.extend(_cache_class_tasks(dtypes, devices))
+    tasks.extend(_per_dtype_and_device("cache classes (GQA)", _cache_class_check, dtypes, devices))
     if not _has_hooked_transformer():
-        tasks.extend(_bridge_tasks(dtypes, devices))
+        from safelens_tl.verify import bridge
+
+        tasks.extend(_per_dtype_and_device(bridge.MODEL_NAME, _bridge_check, dtypes, devices))
     return tasks
 
 
