@@ -2,26 +2,29 @@
 
 ``safelens_tl.pth``, installed at the root of site-packages, runs ``install()`` in every Python
 process that processes site-packages. So this module may use only what ``site`` has already
-imported (``sys``, ``os``): no torch, pluggy, ``importlib.metadata``, ``warnings`` or ``typing``
-before ``transformer_lens`` itself is imported. Importing it has no side effect; ``install()`` does.
+imported (``sys``, ``os``) and the built-in ``_thread``: no torch, pluggy, ``importlib.metadata``,
+``warnings``, ``threading`` or ``typing`` before ``transformer_lens`` itself is imported.
+Importing it has no side effect; ``install()`` does.
 
 The watcher is hand-written rather than wrapt's post-import hooks (``register_post_import_hook``):
 importing wrapt 2.x costs ~70 ms (it imports asyncio and ``importlib.metadata``), paid by every
-Python process, while this finder costs one string comparison per import.
+Python process, while this finder costs one dictionary lookup per import.
 
-Watching the top-level package is enough: importing any ``transformer_lens.x`` submodule imports
-the package first, so the package's ``__init__`` has finished before the submodule is returned.
+:func:`when_imported` is the general mechanism: run a callback once a module has finished
+importing. The hook uses it for ``transformer_lens``; activation uses it for parts of
+TransformerLens that are imported lazily (``transformer_lens.model_bridge``).
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 
 # A name that mypy treats as true; importing ``typing`` for it would cost ~17 ms at start-up.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from importlib.machinery import ModuleSpec
     from types import ModuleType
 
@@ -40,17 +43,72 @@ FAILED = "failed"  # auto-activation raised; recorded in safelens_tl.status() an
 
 state = INACTIVE
 
+# Callbacks waiting for a module to finish importing, and the modules whose import has finished
+# but whose callbacks may still be running (their spec still says "initializing"). One lock
+# guards both, so a callback registered while a module completes is called exactly once.
+_lock = _thread.RLock()
+_pending: dict[str, list[Callable[[], object]]] = {}
+_completed: set[str] = set()
+
 
 def enabled() -> bool:
     """Return ``False`` when ``SAFELENS_TL_AUTOPATCH`` is one of ``0``/``false``/``no``/``off``."""
     return os.environ.get(ENV_VAR, "").strip().lower() not in OFF_VALUES
 
 
-class _ActivatingLoader:
-    """Stands in for the real loader of ``transformer_lens`` for the length of one import.
+def is_imported(name: str) -> bool:
+    """Whether module ``name`` is in ``sys.modules`` and has finished executing."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    if name in _completed:
+        return True
+    spec = getattr(module, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
 
-    Before the package executes, the real loader is put back on the spec and the module, so
-    nothing of this hook stays visible on ``transformer_lens``; after it executed, activate.
+
+def when_imported(name: str, callback: Callable[[], object]) -> None:
+    """Call ``callback()`` once module ``name`` has finished importing; now if it already has.
+
+    The callback runs in the importing thread, right after the module's code, before the import
+    statement returns. It must not raise: what it raises propagates into that import.
+    """
+    with _lock:
+        if not is_imported(name):
+            _pending.setdefault(name, []).append(callback)
+            if _WATCHER not in sys.meta_path:
+                sys.meta_path.insert(0, _WATCHER)
+            return
+    callback()
+
+
+def cancel(name: str, callback: Callable[[], object]) -> None:
+    """Forget a callback given to :func:`when_imported` that has not run yet."""
+    with _lock:
+        waiting = _pending.get(name, [])
+        if callback in waiting:
+            waiting.remove(callback)
+        if not waiting:
+            _pending.pop(name, None)
+        if not _pending:
+            _remove_watcher()
+
+
+def _fire(name: str) -> None:
+    with _lock:
+        _completed.add(name)
+        callbacks = _pending.pop(name, [])
+        if not _pending:
+            _remove_watcher()
+    for callback in callbacks:
+        callback()
+
+
+class _NotifyingLoader:
+    """Stands in for the real loader of a watched module for the length of one import.
+
+    Before the module executes, the real loader is put back on the spec and the module, so
+    nothing of this hook stays visible on it; after it executed, the callbacks run.
     """
 
     def __init__(self, spec: ModuleSpec, loader: object) -> None:
@@ -69,28 +127,25 @@ class _ActivatingLoader:
         return create(spec) if callable(create) else None
 
     def exec_module(self, module: ModuleType) -> None:
-        """Execute the package with the real loader, then activate safelens-tl once."""
+        """Execute the module with the real loader, then run its callbacks once."""
         self._spec.loader = self._loader  # type: ignore[assignment]
         module.__loader__ = self._loader  # type: ignore[assignment]
         self._loader.exec_module(module)  # type: ignore[attr-defined]
-        # Reached only when the package imported fine; after a failed import the watcher stays,
-        # so a retried import still gets patched.
-        uninstall()
-        activate_now()
+        # Reached only when the module imported fine; after a failed import the callbacks stay,
+        # so a retried import still runs them.
+        _fire(self._spec.name)
 
 
 class _Watcher:
-    """A meta-path finder that answers only for ``transformer_lens``, to wrap its loader."""
+    """A meta-path finder that answers only for watched modules, to wrap their loader."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        """Return the spec the other finders give ``transformer_lens``, with its loader wrapped."""
-        if fullname != WATCHED:
+        """Return the spec the other finders give a watched module, with its loader wrapped."""
+        if fullname not in _pending:
             return None
-        if not enabled():  # the opt-out may be set in os.environ after start-up (notebooks)
-            _disable()
-            return None
+        _completed.discard(fullname)  # imported anew (e.g. after removal from sys.modules)
         for finder in list(sys.meta_path):
             find_spec = getattr(finder, "find_spec", None)
             if finder is self or find_spec is None:
@@ -99,12 +154,17 @@ class _Watcher:
             if spec is None:
                 continue
             if hasattr(spec.loader, "exec_module"):
-                spec.loader = _ActivatingLoader(spec, spec.loader)  # type: ignore[assignment]
+                spec.loader = _NotifyingLoader(spec, spec.loader)  # type: ignore[assignment]
             return spec
         return None
 
 
 _WATCHER = _Watcher()
+
+
+def _remove_watcher() -> None:
+    while _WATCHER in sys.meta_path:
+        sys.meta_path.remove(_WATCHER)
 
 
 def install() -> str:
@@ -116,14 +176,12 @@ def install() -> str:
     if not enabled():
         _disable()
         return state
-    module = sys.modules.get(WATCHED)
-    spec = getattr(module, "__spec__", None)
-    if module is not None and not getattr(spec, "_initializing", False):
-        activate_now()
-        return state
-    if _WATCHER not in sys.meta_path:
-        sys.meta_path.insert(0, _WATCHER)
-    state = WATCHING
+    with _lock:
+        if activate_now in _pending.get(WATCHED, ()):
+            return state
+        if not is_imported(WATCHED):
+            state = WATCHING
+    when_imported(WATCHED, activate_now)
     return state
 
 
@@ -134,9 +192,8 @@ def _disable() -> None:
 
 
 def uninstall() -> None:
-    """Remove the watcher from ``sys.meta_path`` (nothing happens when it is not there)."""
-    while _WATCHER in sys.meta_path:
-        sys.meta_path.remove(_WATCHER)
+    """Stop waiting for ``transformer_lens`` (nothing happens when the hook is not waiting)."""
+    cancel(WATCHED, activate_now)
 
 
 def activate_now() -> None:
@@ -146,7 +203,7 @@ def activate_now() -> None:
     must finish whatever happens here.
     """
     global state
-    if not enabled():
+    if not enabled():  # the opt-out may be set in os.environ after start-up (notebooks)
         _disable()
         return
     try:

@@ -6,13 +6,15 @@ several threads at once end in a consistent state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from safelens_tl import patching
+from safelens_tl import _startup, patching
 from safelens_tl.plugins import Failure
 
 logger = logging.getLogger("safelens_tl")
@@ -32,12 +34,15 @@ class Status:
     patched: tuple[str, ...]
     plugins: tuple[str, ...]
     failures: tuple[Failure, ...] = field(default_factory=tuple)
+    #: Modules whose patches wait for the module's first import (see ``DeferredPatches``).
+    pending: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-serialisable data."""
         data = asdict(self)
         data["patched"] = list(self.patched)
         data["plugins"] = list(self.plugins)
+        data["pending"] = list(self.pending)
         data["failures"] = [asdict(f) for f in self.failures]
         return data
 
@@ -46,6 +51,9 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.installed: list[patching.InstalledPatch] = []
+        self.claimed: dict[tuple[type, str], str] = {}
+        #: Callbacks waiting in the import watcher for a module of deferred patches.
+        self.waiting: list[tuple[str, Any]] = []
         self.active = False
         self.report = Status(False, None, None, (), (), ())
 
@@ -59,7 +67,7 @@ def _warn(failures: list[Failure]) -> None:
         warnings.warn(f"safelens-tl: {failure}", SafelensWarning, stacklevel=4)
 
 
-def _plan() -> tuple[Status, list[patching.Patch]]:
+def _plan() -> tuple[Status, list[patching.Patch | patching.DeferredPatches]]:
     """Locate the cache classes and collect every plugin's patches, without installing any."""
     from safelens_tl import hookspecs, plugins, targets
 
@@ -87,6 +95,43 @@ def _plan() -> tuple[Status, list[patching.Patch]]:
     return status, patches
 
 
+def _install_each(patches: Iterable[patching.Patch]) -> list[Failure]:
+    """Install patches whose attribute no earlier patch claimed; return what was skipped."""
+    failures = []
+    for patch in patches:
+        key = (patch.owner, patch.attribute)
+        if key in _state.claimed:
+            failures.append(
+                Failure(
+                    patch.plugin,
+                    "install",
+                    f"{patch.target} already patched by {_state.claimed[key]}; skipped",
+                )
+            )
+            continue
+        try:
+            _state.installed.append(patching.install(patch))
+            _state.claimed[key] = patch.plugin
+        except Exception as error:
+            failures.append(Failure(patch.plugin, "install", f"{patch.target}: {error}"))
+    return failures
+
+
+def _publish(failures: Iterable[Failure], base: Status | None = None) -> Status:
+    """Store a new report reflecting what is installed and pending now; return it."""
+    base = base or _state.report
+    _state.report = Status(
+        active=_state.active,
+        transformer_lens=base.transformer_lens,
+        layout=base.layout,
+        patched=tuple(i.patch.target for i in _state.installed),
+        plugins=base.plugins,
+        failures=tuple(failures),
+        pending=tuple(dict.fromkeys(module for module, _ in _state.waiting)),
+    )
+    return _state.report
+
+
 def activate() -> Status:
     """Install every plugin's patches; see :func:`safelens_tl.activate`."""
     with _state.lock:
@@ -97,35 +142,61 @@ def activate() -> Status:
             # _plan() imported transformer_lens, whose start-up hook has activated meanwhile
             # (same thread, re-entrant lock): installing again would patch every attribute twice.
             return _state.report
-        failures = list(planned.failures)
-        claimed: dict[tuple[type, str], str] = {}
-        for patch in patches:
-            key = (patch.owner, patch.attribute)
-            if key in claimed:
-                failures.append(
-                    Failure(
-                        patch.plugin,
-                        "install",
-                        f"{patch.target} already patched by {claimed[key]}; skipped",
-                    )
-                )
-                continue
-            try:
-                _state.installed.append(patching.install(patch))
-                claimed[key] = patch.plugin
-            except Exception as error:
-                failures.append(Failure(patch.plugin, "install", f"{patch.target}: {error}"))
-        _state.active = bool(_state.installed)
-        _state.report = Status(
-            active=_state.active,
-            transformer_lens=planned.transformer_lens,
-            layout=planned.layout,
-            patched=tuple(i.patch.target for i in _state.installed),
-            plugins=planned.plugins,
-            failures=tuple(failures),
-        )
+        immediate = [p for p in patches if isinstance(p, patching.Patch)]
+        deferred = [p for p in patches if isinstance(p, patching.DeferredPatches)]
+        failures = list(planned.failures) + _install_each(immediate)
+        _state.active = bool(_state.installed) or bool(deferred)
+        _publish(failures, planned)
         _warn(failures)
-        return _state.report
+        for batch in deferred:
+            callback = functools.partial(_install_deferred, batch)
+            _state.waiting.append((batch.module, callback))
+            # Calls back at once when the module is imported already (it then publishes itself).
+            _startup.when_imported(batch.module, callback)
+        return _publish(_state.report.failures)
+
+
+def _install_deferred(batch: patching.DeferredPatches) -> None:
+    """Build and install one plugin's deferred patches; called once their module is imported.
+
+    Runs inside that module's import, so nothing may escape: a failure is reported like any
+    other plugin failure and the import completes.
+    """
+    from safelens_tl import plugins
+
+    with _state.lock:
+        entry = next((w for w in _state.waiting if w[1].args[0] is batch), None)
+        if entry is None:  # deactivated (or re-activated) meanwhile
+            return
+        _state.waiting.remove(entry)
+        failures: list[Failure] = []
+        try:
+            built = list(batch.build())
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:
+            failures.append(Failure(batch.plugin, f"patches for {batch.module}", _describe(error)))
+            built = []
+        failures.extend(item for item in built if isinstance(item, Failure))
+        built = [item for item in built if not isinstance(item, Failure)]
+        malformed = [item for item in built if not plugins.is_valid_patch(item)]
+        if malformed:
+            failures.append(
+                Failure(
+                    batch.plugin,
+                    f"patches for {batch.module}",
+                    f"expected Patch objects, received {malformed[0]!r}; all were skipped",
+                )
+            )
+            built = []
+        labelled = [plugins.with_source(p, batch.plugin) for p in built]
+        failures.extend(_install_each(p for p in labelled if isinstance(p, patching.Patch)))
+        _publish([*_state.report.failures, *failures])
+    _warn(failures)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def deactivate() -> Status:
@@ -143,16 +214,12 @@ def deactivate() -> Status:
                     )
                 )
         _state.installed.clear()
+        _state.claimed.clear()
+        for module, callback in _state.waiting:
+            _startup.cancel(module, callback)
+        _state.waiting.clear()
         _state.active = False
-        _state.report = Status(
-            False,
-            _state.report.transformer_lens,
-            _state.report.layout,
-            (),
-            _state.report.plugins,
-            tuple(failures),
-        )
-        return _state.report
+        return _publish(failures)
 
 
 def is_active() -> bool:
@@ -169,13 +236,5 @@ def status() -> Status:
 def record_failure(failure: Failure) -> None:
     """Add a failure found outside :func:`activate` (e.g. by the start-up hook) to the report."""
     with _state.lock:
-        report = _state.report
-        _state.report = Status(
-            report.active,
-            report.transformer_lens,
-            report.layout,
-            report.patched,
-            report.plugins,
-            (*report.failures, failure),
-        )
+        _publish([*_state.report.failures, failure])
     _warn([failure])

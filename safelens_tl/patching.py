@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,23 @@ class Patch:
     def target(self) -> str:
         """Dotted name of the replaced attribute, e.g. ``module.Class.append``."""
         return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attribute}"
+
+
+@dataclass(frozen=True)
+class DeferredPatches:
+    """Patches for classes of a module TransformerLens imports lazily.
+
+    ``transformer_lens.model_bridge`` costs about 2 s to import, and TransformerLens imports it
+    only when first used; importing it at activation would add that to every
+    ``import transformer_lens``. ``build`` is called once ``module`` has finished importing (at
+    once when it already has) and returns the :class:`Patch` objects to install then, plus a
+    :class:`safelens_tl.plugins.Failure` for each problem to report (warned, listed in
+    ``status()``) rather than raised.
+    """
+
+    module: str
+    build: Callable[[], Iterable[object]]
+    plugin: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

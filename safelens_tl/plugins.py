@@ -15,7 +15,7 @@ from typing import Any
 import pluggy
 
 from safelens_tl import hookspecs
-from safelens_tl.patching import Patch
+from safelens_tl.patching import DeferredPatches, Patch
 from safelens_tl.targets import Layout
 
 
@@ -31,8 +31,8 @@ class Failure:
         return f"{self.source} ({self.stage}): {self.message}"
 
 
-#: Module of the built-in plugin (registered through the same entry-point group as any other).
-BUILTIN = "safelens_tl.builtin_plugin"
+#: Modules of the built-in plugins (registered through the same entry-point group as any other).
+BUILTINS = ("safelens_tl.builtin_plugin", "safelens_tl.bridge_plugin")
 
 
 def _describe(error: BaseException) -> str:
@@ -74,15 +74,15 @@ def load_entry_point_plugins(manager: pluggy.PluginManager) -> list[Failure]:
 
 def collect_patches(
     manager: pluggy.PluginManager, layout: Layout
-) -> tuple[list[Patch], list[Failure]]:
+) -> tuple[list[Patch | DeferredPatches], list[Failure]]:
     """Ask each registered plugin for its patches; validate each answer on its own."""
-    patches: list[Patch] = []
+    patches: list[Patch | DeferredPatches] = []
     failures: list[Failure] = []
-    # The built-in fix answers first, so it claims its attributes even when a third-party plugin
-    # sits earlier on sys.path; a conflicting plugin is then the one reported and skipped.
+    # The built-in fixes answer first, so they claim their attributes even when a third-party
+    # plugin sits earlier on sys.path; a conflicting plugin is then the one reported and skipped.
     implementations = sorted(
         manager.hook.safelens_tl_patches.get_hookimpls(),
-        key=lambda implementation: getattr(implementation.plugin, "__name__", "") != BUILTIN,
+        key=lambda implementation: getattr(implementation.plugin, "__name__", "") not in BUILTINS,
     )
     for implementation in implementations:
         source = implementation.plugin_name
@@ -106,16 +106,28 @@ def collect_patches(
                 )
             )
             continue
-        patches.extend(
-            Patch(p.owner, p.attribute, p.replacement, plugin=p.plugin or source) for p in received
-        )
+        patches.extend(with_source(item, source) for item in received)
     return patches, failures
 
 
-def _is_valid_patch(item: object) -> bool:
+def with_source(item: Patch | DeferredPatches, source: str) -> Patch | DeferredPatches:
+    """``item`` labelled with the plugin that contributed it, unless it names one already."""
+    if isinstance(item, DeferredPatches):
+        return DeferredPatches(item.module, item.build, plugin=item.plugin or source)
+    return Patch(item.owner, item.attribute, item.replacement, plugin=item.plugin or source)
+
+
+def is_valid_patch(item: object) -> bool:
+    """Whether ``item`` is a :class:`Patch` naming a class and an attribute name."""
     return (
         isinstance(item, Patch)
         and isinstance(item.owner, type)
         and isinstance(item.attribute, str)
         and item.attribute.isidentifier()
     )
+
+
+def _is_valid_patch(item: object) -> bool:
+    if isinstance(item, DeferredPatches):
+        return isinstance(item.module, str) and callable(item.build)
+    return is_valid_patch(item)

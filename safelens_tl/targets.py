@@ -63,6 +63,115 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
     ),
 )
 
+#: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
+#: lazily (about 2 s), so its patches wait for that import instead of forcing it.
+BRIDGE_MODULE = "transformer_lens.model_bridge"
+BRIDGE_CLASS = "transformer_lens.model_bridge.TransformerBridge"
+#: The attention bridges' common base; its ``_update_kv_cache`` reads the KV cache argument.
+ATTENTION_BRIDGE_CLASS = (
+    "transformer_lens.model_bridge.generalized_components.attention.AttentionBridge"
+)
+#: How TransformerBridge calls the Hugging Face model (TransformerLens 4.x; absent in 3.x, which
+#: calls the model itself).
+TRANSFORMERS_DRIVER_CLASS = (
+    "transformer_lens.model_bridge.sources.transformers_driver.TransformersDriver"
+)
+#: Attention bridges whose own ``forward`` reads the KV cache argument from its keyword arguments
+#: rather than through ``AttentionBridge._update_kv_cache``. Not every release has each.
+FORWARD_CACHE_READERS: tuple[str, ...] = (
+    "transformer_lens.model_bridge.generalized_components.mla_attention.MLAAttentionBridge",
+    "transformer_lens.model_bridge.generalized_components.glm_moe_dsa_attention."
+    "GlmMoeDsaAttentionBridge",
+)
+_REMOTE_CODE = (
+    "trust_remote_code model: its own modeling code passes the cache under its own name, "
+    "whatever transformers calls it"
+)
+_ENCODER_DECODER = (
+    "encoder-decoder block: TransformerBridge.generate recomputes the decoder without a KV cache, "
+    "so cached generation does not go through it (hf_generate on these models is not fixed)"
+)
+#: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
+#: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
+#: on one that is neither patched nor listed here.
+UNPATCHED_CACHE_READERS: dict[str, str] = {
+    "transformer_lens.model_bridge.supported_architectures.baichuan._BaichuanAttentionBridge": (
+        _REMOTE_CODE
+    ),
+    "transformer_lens.model_bridge.supported_architectures.internlm2._InternLM2AttentionBridge": (
+        _REMOTE_CODE
+    ),
+    "transformer_lens.model_bridge.supported_architectures.llada._LLaDAAttentionBridge": (
+        _REMOTE_CODE
+    ),
+    "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge": (
+        _ENCODER_DECODER
+    ),
+    "transformer_lens.model_bridge.generalized_components.t5gemma_decoder_block."
+    "T5GemmaDecoderBlockBridge": _ENCODER_DECODER,
+    "transformer_lens.model_bridge.generalized_components.t5gemma2_decoder_block."
+    "T5Gemma2DecoderBlockBridge": _ENCODER_DECODER,
+}
+#: A Hugging Face attention module whose ``forward`` shows which name the installed transformers
+#: gives the KV cache: ``past_key_values`` up to 5.23, ``cache`` from 5.24.
+REFERENCE_ATTENTION = "transformers.models.llama.modeling_llama.LlamaAttention"
+#: A Hugging Face model whose ``forward`` shows whether ``past_key_values`` is still accepted.
+REFERENCE_MODEL = "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+#: The base of Hugging Face model outputs (``output.past_key_values`` is an alias there from 5.24).
+MODEL_OUTPUT_CLASS = "transformers.utils.generic.ModelOutput"
+
+
+@dataclass(frozen=True)
+class BridgeLayout:
+    """The ``TransformerBridge`` classes found in the installed TransformerLens."""
+
+    bridge_class: type
+    attention_class: type
+    #: Present in TransformerLens 4.x only.
+    driver_class: type | None
+    forward_cache_readers: tuple[type, ...]
+
+
+def has_bridge() -> bool:
+    """Whether the installed TransformerLens ships ``transformer_lens.model_bridge`` (not imported)."""
+    from importlib import util
+
+    try:
+        return util.find_spec(BRIDGE_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def optional_class(dotted: str) -> type | None:
+    """The class at ``dotted``, or ``None`` when this release does not have it."""
+    try:
+        found = _import_object(dotted)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) else None
+
+
+def locate_bridge() -> BridgeLayout:
+    """Find the ``TransformerBridge`` classes (imports ``transformer_lens.model_bridge``).
+
+    Raises :class:`UnsupportedLayoutError` when the bridge or its attention base is missing.
+    """
+    bridge_class = optional_class(BRIDGE_CLASS)
+    attention_class = optional_class(ATTENTION_BRIDGE_CLASS)
+    if bridge_class is None or attention_class is None:
+        raise UnsupportedLayoutError(
+            f"expected {BRIDGE_CLASS} and {ATTENTION_BRIDGE_CLASS}; TransformerBridge was not "
+            "patched"
+        )
+    readers = tuple(c for c in map(optional_class, FORWARD_CACHE_READERS) if c is not None)
+    return BridgeLayout(
+        bridge_class=bridge_class,
+        attention_class=attention_class,
+        driver_class=optional_class(TRANSFORMERS_DRIVER_CLASS),
+        forward_cache_readers=readers,
+    )
+
+
 #: The parameters the replacements expect; a release whose methods differ is not patched.
 EXPECTED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "init_cache_entry": ("cfg", "device", "batch_size"),

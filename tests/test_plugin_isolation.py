@@ -170,6 +170,7 @@ AUTOMATIC_PATH = sorted(
 #: What the start-up module may import at all (module level or inside functions).
 STARTUP_IMPORTS = {
     "__future__",
+    "_thread",  # built into the interpreter: a lock for the import watcher, no start-up cost
     "os",
     "sys",
     "safelens_tl",

@@ -1,0 +1,155 @@
+"""TransformerBridge reads the KV cache under whichever name the installed transformers passes.
+
+transformers 5.24 renamed the cache argument of its attention modules (and models) from
+``past_key_values`` to ``cache``, keeping the old name through a deprecation shim that
+transformers says goes away in 5.40. TransformerLens's attention bridges (3.x up to 4.3) read only
+``past_key_values`` / ``layer_past``: with 5.24 they find no cache, store nothing, and every cached
+decode step attends to itself alone. Cached generation is then silently wrong in every dtype.
+
+What is patched here, each a no-op unless the renamed argument actually arrives:
+
+- ``AttentionBridge._update_kv_cache`` (inherited by almost every attention bridge) and the
+  ``forward`` of the bridges that read the argument themselves: a cache passed as ``cache`` is
+  read as ``past_key_values``.
+- ``TransformersDriver.forward`` (TransformerLens 4.x): the bridge hands the model its cache as
+  ``past_key_values``; when the model's ``forward`` names it ``cache``, it gets it under that name.
+  This works without the deprecation shim (5.40) and without its ``FutureWarning`` at every step.
+- ``ModelOutput.past_key_values`` only where transformers no longer has it: the bridge's generate
+  loop reads the cache back under that name.
+
+Which name the installed transformers uses is read from its code (:func:`attention_cache_argument`),
+never from its version number.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from safelens_tl import targets
+
+#: The names TransformerLens's bridges read the KV cache from.
+OLD_NAMES = ("past_key_values", "layer_past")
+#: The name transformers 5.24+ passes it under.
+NEW_NAME = "cache"
+#: The deprecation shim that maps the old name onto the new one (transformers 5.24-5.39).
+SHIM_OLD_NAME = "past_key_values"
+
+
+def _parameters(function: Any) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def attention_cache_argument() -> str | None:
+    """The name under which the installed transformers passes the KV cache to attention modules.
+
+    ``"past_key_values"`` (transformers up to 5.23), ``"cache"`` (5.24 on), or ``None`` when the
+    reference attention module is missing or names neither. Imports the reference module.
+    """
+    attention = targets.optional_class(targets.REFERENCE_ATTENTION)
+    parameters = _parameters(getattr(attention, "forward", None))
+    if SHIM_OLD_NAME in parameters:
+        return SHIM_OLD_NAME
+    if NEW_NAME in parameters:
+        return NEW_NAME
+    return None
+
+
+def _shim_old_names(function: Any) -> set[str]:
+    """Old keyword names that ``deprecate_kwarg`` wrappers around ``function`` still accept."""
+    names: set[str] = set()
+    while function is not None:
+        closure = getattr(function, "__closure__", None) or ()
+        code = getattr(function, "__code__", None)
+        free = getattr(code, "co_freevars", ())
+        cells = dict(zip(free, closure, strict=False))
+        old = cells.get("old_name")
+        if old is not None:
+            try:
+                value = old.cell_contents
+            except ValueError:  # an empty cell
+                value = None
+            if isinstance(value, str):
+                names.add(value)
+        function = getattr(function, "__wrapped__", None)
+    return names
+
+
+@functools.cache
+def takes_cache_not_past_key_values(model_class: type) -> bool:
+    """Whether ``model_class.forward`` names its cache ``cache`` and has no ``past_key_values``."""
+    parameters = _parameters(getattr(model_class, "forward", None))
+    return NEW_NAME in parameters and SHIM_OLD_NAME not in parameters
+
+
+def accepts_past_key_values(model_class: type) -> bool:
+    """Whether ``model_class.forward`` still takes the cache as ``past_key_values``.
+
+    True for a parameter of that name (transformers up to 5.23) or a deprecation shim mapping it
+    onto ``cache`` (5.24 to 5.39). False once the shim is gone: the argument would then land in
+    ``**kwargs`` and be ignored, and a cache passed that way is silently not used.
+    """
+    forward = getattr(model_class, "forward", None)
+    if SHIM_OLD_NAME in _parameters(forward):
+        return True
+    return SHIM_OLD_NAME in _shim_old_names(forward)
+
+
+def _only_under_new_name(kwargs: dict[str, Any]) -> bool:
+    return NEW_NAME in kwargs and all(kwargs.get(name) is None for name in OLD_NAMES)
+
+
+def reading_update_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``AttentionBridge._update_kv_cache`` so that it also finds a cache passed as ``cache``."""
+
+    @functools.wraps(original)
+    def _update_kv_cache(self: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        if _only_under_new_name(kwargs):
+            kwargs["past_key_values"] = kwargs[NEW_NAME]  # this call's own dict: caller unchanged
+        return original(self, k, v, **kwargs)
+
+    return _update_kv_cache
+
+
+def reading_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an attention bridge's ``forward`` that pops ``past_key_values`` from its kwargs.
+
+    The cache moves from ``cache`` to ``past_key_values``, so the bridge sees exactly what it saw
+    with transformers 5.23 (where no ``cache`` keyword existed).
+    """
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _only_under_new_name(kwargs):
+            kwargs["past_key_values"] = kwargs.pop(NEW_NAME)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def renaming_driver_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``TransformersDriver.forward``: pass the cache under the name the model takes."""
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if SHIM_OLD_NAME in kwargs and NEW_NAME not in kwargs:
+            model = getattr(self, "underlying_model", None)
+            if model is not None and takes_cache_not_past_key_values(type(model)):
+                kwargs[NEW_NAME] = kwargs.pop(SHIM_OLD_NAME)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def _cache_of(output: Any) -> Any:
+    return getattr(output, NEW_NAME, None)
+
+
+def output_alias() -> property:
+    """``past_key_values`` as a read-only alias of ``cache`` on model outputs."""
+    return property(_cache_of, doc="The model's KV cache (alias of ``cache``), for TransformerBridge.")
