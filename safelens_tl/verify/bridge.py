@@ -1,18 +1,21 @@
-"""Cached generation through ``TransformerBridge`` (TransformerLens 4.x) on a tiny local Llama.
+"""Cached generation through ``TransformerBridge``, checked against Hugging Face's own forward.
 
-TransformerBridge generates through Hugging Face's own caches, which safelens-tl does not patch:
-this checks TransformerLens as installed. A tiny ``LlamaForCausalLM`` with random weights (grouped-
-query attention, rotary positions) is saved to a temporary folder with the in-process tokenizer and
-booted from there, so nothing is downloaded.
+Two tiny Hugging Face models with random weights, a Llama with grouped-query attention and rotary
+positions and a GPT-2, are saved once per process with the in-process tokenizer to a temporary
+folder and booted from there with ``TransformerBridge.boot_transformers`` (nothing is downloaded).
+
+The reference is independent of TransformerLens: the same checkpoint loaded with
+``AutoModelForCausalLM`` (no bridge, no hooks) and run once, uncached, over the sequence the
+bridge generated, with the attention mask of the left-padded prompts and positions derived from it.
+The logits the bridge's cached ``generate`` produced at each step must match that forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +24,59 @@ import torch
 
 from safelens_tl.verify import checks, models
 
-MODEL_NAME = "llama-like-gqa (TransformerBridge)"
 NEW_TOKENS = 8
+#: How a bridge reaches its dtype: booted in it, or booted in float32 and then converted.
+CONVERSIONS = ("boot", "half", "to")
+#: Prompts per batch size: one prompt, and two of different lengths (left-padded).
+BATCHES: dict[int, tuple[str, ...]] = {1: checks.PROMPTS[1:], 2: checks.PROMPTS}
 
-_folder: Path | None = None
+
+def _llama_config(tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=models.vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        # Larger than the default 0.02 so the logits are well apart and a cache error shows.
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _gpt2_config(tokenizer: Any) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=models.vocab_size(),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+#: The built-in bridge models: name -> Hugging Face config builder.
+BRIDGE_MODELS: dict[str, Callable[[Any], Any]] = {
+    "llama-like-gqa": _llama_config,
+    "gpt2-like": _gpt2_config,
+}
+
+_folders: dict[str, Path] = {}
 
 
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def no_progress_bars() -> Iterator[None]:
     """Hide transformers' "Loading weights" bars; restore the user's setting afterwards."""
     hf_logging: Any = importlib.import_module("transformers.utils.logging")
 
@@ -41,93 +89,185 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def model_folder() -> Path:
-    """Save the tiny Llama and the tokenizer once per process; return the folder."""
-    global _folder
-    if _folder is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+def model_folder(name: str = "llama-like-gqa") -> Path:
+    """Save the tiny Hugging Face model ``name`` and the tokenizer once per process."""
+    if name not in _folders:
+        from transformers import AutoModelForCausalLM
 
         tokenizer = models.load_tokenizer()
-        config = LlamaConfig(
-            vocab_size=models.vocab_size(),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            # Larger than the default 0.02 so the logits are well apart and a cache error shows.
-            initializer_range=0.3,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        config = BRIDGE_MODELS[name](tokenizer)
         torch.manual_seed(0)
-        folder = Path(tempfile.mkdtemp(prefix="safelens-tl-llama-"))
-        with _no_progress_bars():
-            LlamaForCausalLM(config).save_pretrained(folder)
+        folder = models.scratch_folder(f"hf-{name}")
+        with no_progress_bars():
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        _folder = folder
-    return _folder
+        _folders[name] = folder
+    return _folders[name]
 
 
-@dataclass(frozen=True)
-class BridgeResult:
-    """What one bridge run measured."""
+def boot(
+    name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+) -> Any:
+    """Boot ``name`` as a TransformerBridge in ``dtype`` on ``device``.
 
-    max_rel_err: float
-    agreement: float
-    seconds_cached: float
-    seconds_uncached: float
-    weights_dtype: torch.dtype
-
-
-def _left_padding_mask(tokens: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """1 from each row's first real token on: pads only lead (generated pads stay attended)."""
-    first_real = (tokens != pad_token_id).long().argmax(dim=1, keepdim=True)
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-    return (positions >= first_real).long()
-
-
-def _sequences_and_logits(output: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    sequences = output.sequences if hasattr(output, "sequences") else output[0]
-    logits = output.logits if hasattr(output, "logits") else output[1]
-    if isinstance(logits, (tuple, list)):
-        logits = torch.stack(list(logits), dim=1)
-    return sequences, logits
-
-
-def run_bridge(dtype: torch.dtype, device: str) -> BridgeResult:
-    """Boot the tiny Llama in ``dtype`` on ``device``; compare cached generation with uncached.
-
-    The logits the cached ``generate`` produced at each step are compared with one uncached
-    forward over the generated sequence (teacher forcing); greedy tokens are compared with an
-    uncached ``generate``.
+    ``conversion``: ``"boot"`` boots in ``dtype``; ``"half"`` boots in float32 and calls
+    ``.half()`` / ``.bfloat16()`` / ``.float()``; ``"to"`` boots in float32 and calls ``.to(dtype)``.
     """
     from transformer_lens.model_bridge import TransformerBridge
 
-    folder = str(model_folder())
-    with _no_progress_bars():
-        bridge = TransformerBridge.boot_transformers(folder, dtype=dtype, device=device)
-    common = checks.greedy_arguments(NEW_TOKENS)
+    if conversion not in CONVERSIONS:
+        raise ValueError(f"conversion must be one of {CONVERSIONS}; received {conversion!r}")
+    first = dtype if conversion == "boot" else torch.float32
+    with no_progress_bars(), contextlib.redirect_stdout(None):
+        bridge = TransformerBridge.boot_transformers(str(model_folder(name)), dtype=first, device=device)
+        if conversion == "to":
+            bridge = bridge.to(dtype)
+        elif conversion == "half":
+            method = {torch.float16: "half", torch.bfloat16: "bfloat16"}.get(dtype, "float")
+            bridge = getattr(bridge, method)()
+    return bridge
+
+
+def reference_model(name: str, dtype: torch.dtype, device: str = "cpu") -> Any:
+    """The same checkpoint as a plain Hugging Face model: no TransformerLens involved."""
+    from transformers import AutoModelForCausalLM
+
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(str(model_folder(name)), dtype=dtype)
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class BridgeRun:
+    """What one cached ``generate`` of one batch measured against the reference."""
+
+    architecture: str
+    batch: int
+    max_rel_err: float
+    cached_tokens: torch.Tensor
+    uncached_tokens: torch.Tensor
+    seconds_cached: float
+    seconds_uncached: float
+    #: Of the cache after a cached forward over the prompt; ``None`` when it stayed empty.
+    cache_dtype: torch.dtype | None
+    cache_device: torch.device | None
+    cache_heads: int | None
+    expected_cache_heads: int
+
+    @property
+    def agreement(self) -> float:
+        """Share of new tokens equal with and without the cache (greedy)."""
+        return float((self.cached_tokens == self.uncached_tokens).float().mean())
+
+
+def _step_logits(output: Any) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output[1]
+    if isinstance(logits, (tuple, list)):
+        logits = torch.stack(list(logits), dim=1)
+    return logits
+
+
+def first_cache_layer(cache: Any) -> torch.Tensor | None:
+    """Keys of layer 0 of a Hugging Face cache, ``[batch, heads, pos, d_head]``, any release.
+
+    ``None`` when the cache holds nothing (no layer was ever written).
+    """
+    if cache is None:
+        return None
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        keys = getattr(layers[0], "keys", None) if layers else None
+    elif getattr(cache, "key_cache", None) is not None:
+        keys = cache.key_cache[0] if cache.key_cache else None
+    else:
+        keys = cache[0][0] if len(cache) else None
+    return keys if isinstance(keys, torch.Tensor) and keys.numel() else None
+
+
+def expected_heads(config: Any) -> int:
+    """Key/value heads a correct cache of this Hugging Face config stores."""
+    heads = getattr(config, "num_key_value_heads", None)
+    return int(heads if heads is not None else config.num_attention_heads)
+
+
+def run_batch(
+    bridge: Any, reference: Any, prompts: Sequence[str], new_tokens: int = NEW_TOKENS
+) -> BridgeRun:
+    """Generate greedily from ``prompts`` (left-padded) with and without the cache; replay.
+
+    The logits of every cached step are compared with ``reference`` run once, uncached, over
+    the generated sequence (``max_rel_err``, relative to the largest reference logit).
+    """
+    common = checks.greedy_arguments(new_tokens)
     start = time.perf_counter()
-    output = bridge.generate(
-        list(checks.PROMPTS), use_past_kv_cache=True, output_logits=True, **common
-    )
+    output = bridge.generate(list(prompts), use_past_kv_cache=True, output_logits=True, **common)
     middle = time.perf_counter()
-    uncached_tokens = bridge.generate(list(checks.PROMPTS), use_past_kv_cache=False, **common)
+    uncached = bridge.generate(list(prompts), use_past_kv_cache=False, **common)
     end = time.perf_counter()
-    sequences, step_logits = _sequences_and_logits(output)
-    mask = _left_padding_mask(sequences, int(bridge.tokenizer.pad_token_id))
-    position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    sequences = output.sequences
+    step_logits = _step_logits(output)
+    mask = checks.left_padding_mask(
+        sequences, bridge.tokenizer, bool(getattr(bridge.cfg, "default_prepend_bos", True))
+    )
+    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    device = next(reference.parameters()).device
     with torch.inference_mode():
-        full = bridge(
-            sequences, attention_mask=mask, position_ids=position_ids, return_type="logits"
+        full = reference(
+            input_ids=sequences.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+        ).logits
+        # The Hugging Face model inside the bridge (its attention modules are the bridge's), so
+        # that the cache it fills over the prompt can be inspected on every release.
+        prompt_output = bridge.original_model(
+            input_ids=sequences[:, :-new_tokens],
+            attention_mask=mask[:, :-new_tokens],
+            position_ids=positions[:, :-new_tokens],
+            use_cache=True,
         )
-    reference = full[:, -NEW_TOKENS - 1 : -1].float()
-    difference = (step_logits.float().to(reference.device) - reference).abs().max()
-    max_rel_err = float(difference / reference.abs().max().clamp_min(1e-6))
-    new_cached = sequences[:, -NEW_TOKENS:].to(uncached_tokens.device)
-    agreement = float((new_cached == uncached_tokens[:, -NEW_TOKENS:]).float().mean())
-    weights_dtype = next(bridge.parameters()).dtype
-    return BridgeResult(max_rel_err, agreement, middle - start, end - middle, weights_dtype)
+        cache = getattr(prompt_output, "cache", None) or getattr(
+            prompt_output, "past_key_values", None
+        )
+    expected = full[:, -new_tokens - 1 : -1].float()
+    difference = (step_logits.float().to(expected.device) - expected).abs().max()
+    keys = first_cache_layer(cache)
+    return BridgeRun(
+        architecture=str(reference.config.architectures[0]),
+        batch=len(prompts),
+        max_rel_err=float(difference / expected.abs().max().clamp_min(1e-6)),
+        cached_tokens=sequences[:, -new_tokens:].cpu(),
+        uncached_tokens=uncached[:, -new_tokens:].cpu(),
+        seconds_cached=middle - start,
+        seconds_uncached=end - middle,
+        cache_dtype=None if keys is None else keys.dtype,
+        cache_device=None if keys is None else keys.device,
+        cache_heads=None if keys is None else int(keys.shape[1]),
+        expected_cache_heads=expected_heads(reference.config),
+    )
+
+
+def run_bridge(
+    name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+) -> list[BridgeRun]:
+    """Boot ``name`` (see :func:`boot`) and run every batch of :data:`BATCHES` on it."""
+    bridge = boot(name, dtype, device, conversion)
+    reference = reference_model(name, dtype, device)
+    return [run_batch(bridge, reference, prompts) for prompts in BATCHES.values()]
+
+
+def cache_argument_diagnosis() -> str | None:
+    """Why stock TransformerBridge's cache stays empty here, or ``None`` when it should not.
+
+    Reads what the installed transformers passes (see :mod:`safelens_tl.bridge_cache`).
+    """
+    import transformers
+
+    from safelens_tl import bridge_cache
+
+    if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
+        return None
+    return (
+        f"transformers {transformers.__version__} passes the KV cache to attention modules as "
+        f"`cache`, and TransformerBridge's attention reads only `past_key_values`/`layer_past`, "
+        f"so each cached step attends to itself alone; safelens-tl fixes this when active"
+    )

@@ -68,6 +68,21 @@ WORDS = [
 SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 _tokenizer_folder: Path | None = None
+_scratch: tempfile.TemporaryDirectory[str] | None = None
+
+
+def scratch_folder(name: str) -> Path:
+    """A new folder ``name`` inside this process's scratch directory.
+
+    The scratch directory is removed when the process exits (``TemporaryDirectory`` finalizes
+    at interpreter exit), so verifying leaves no model or tokenizer folders behind.
+    """
+    global _scratch
+    if _scratch is None:
+        _scratch = tempfile.TemporaryDirectory(prefix="safelens-tl-")
+    folder = Path(_scratch.name) / name
+    folder.mkdir()
+    return folder
 
 
 def tokenizer_folder() -> Path:
@@ -87,7 +102,7 @@ def tokenizer_folder() -> Path:
             pad_token="<pad>",
             unk_token="<unk>",
         )
-        folder = Path(tempfile.mkdtemp(prefix="safelens-tl-tokenizer-"))
+        folder = scratch_folder("tokenizer")
         wrapped.save_pretrained(folder)
         _tokenizer_folder = folder
     return _tokenizer_folder

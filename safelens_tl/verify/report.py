@@ -25,6 +25,8 @@ class CheckResult:
     dtype: str
     device: str
     kind: str = "generate"
+    #: The Hugging Face architecture checked (TransformerBridge rows), e.g. ``LlamaForCausalLM``.
+    architecture: str | None = None
     passed: bool = False
     max_rel_err: float | None = None
     tolerance: float | None = None
@@ -56,6 +58,7 @@ class Report:
     transformer_lens: str | None
     torch: str
     safelens_tl: str
+    transformers: str | None = None
     checks: list[CheckResult] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
     diagnostics: list[str] = field(default_factory=list)
@@ -131,7 +134,8 @@ def summary_line(report: Report) -> str:
     """One line: verdict, counts, what was run, and how long it took."""
     failed = [check for check in report.checks if not check.passed]
     patch = "patched" if report.patched else "NOT patched (stock TransformerLens)"
-    where = f"TransformerLens {report.transformer_lens}, torch {report.torch}, {patch}"
+    hf = f", transformers {report.transformers}" if report.transformers else ""
+    where = f"TransformerLens {report.transformer_lens}{hf}, torch {report.torch}, {patch}"
     if not report.checks:
         return f"FAILED: no check could run ({where}) in {report.seconds:.1f} s"
     if failed:
