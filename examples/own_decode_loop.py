@@ -14,7 +14,9 @@ from safelens_tl.verify.models import build_model
 try:  # TransformerLens 3.x
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache as Cache
 except ImportError:  # TransformerLens 2.x
-    from transformer_lens.past_key_value_caching import HookedTransformerKeyValueCache as Cache
+    from transformer_lens.past_key_value_caching import (  # type: ignore[no-redef]
+        HookedTransformerKeyValueCache as Cache,
+    )
 
 model = build_model("gpt2-like", torch.float32)
 tokens = model.to_tokens(["the cat runs to the river"])

@@ -178,8 +178,9 @@ def _install_deferred(batch: patching.DeferredPatches) -> None:
             failures.append(Failure(batch.plugin, f"patches for {batch.module}", _describe(error)))
             built = []
         failures.extend(item for item in built if isinstance(item, Failure))
-        built = [item for item in built if not isinstance(item, Failure)]
-        malformed = [item for item in built if not plugins.is_valid_patch(item)]
+        patches = [item for item in built if isinstance(item, patching.Patch)]
+        malformed = [item for item in built if not isinstance(item, Failure | patching.Patch)]
+        malformed += [item for item in patches if not plugins.is_valid_patch(item)]
         if malformed:
             failures.append(
                 Failure(
@@ -188,9 +189,12 @@ def _install_deferred(batch: patching.DeferredPatches) -> None:
                     f"expected Patch objects, received {malformed[0]!r}; all were skipped",
                 )
             )
-            built = []
-        labelled = [plugins.with_source(p, batch.plugin) for p in built]
-        failures.extend(_install_each(p for p in labelled if isinstance(p, patching.Patch)))
+            patches = []
+        labelled = [
+            patching.Patch(p.owner, p.attribute, p.replacement, plugin=p.plugin or batch.plugin)
+            for p in patches
+        ]
+        failures.extend(_install_each(labelled))
         _publish([*_state.report.failures, *failures])
     _warn(failures)
 

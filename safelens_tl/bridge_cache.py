@@ -80,11 +80,20 @@ def _shim_old_names(function: Any) -> set[str]:
     return names
 
 
-@functools.cache
+_takes_cache: dict[type, bool] = {}
+
+
 def takes_cache_not_past_key_values(model_class: type) -> bool:
-    """Whether ``model_class.forward`` names its cache ``cache`` and has no ``past_key_values``."""
-    parameters = _parameters(getattr(model_class, "forward", None))
-    return NEW_NAME in parameters and SHIM_OLD_NAME not in parameters
+    """Whether ``model_class.forward`` names its cache ``cache`` and has no ``past_key_values``.
+
+    Remembered per class: the driver asks at every step.
+    """
+    known = _takes_cache.get(model_class)
+    if known is None:
+        parameters = _parameters(getattr(model_class, "forward", None))
+        known = NEW_NAME in parameters and SHIM_OLD_NAME not in parameters
+        _takes_cache[model_class] = known
+    return known
 
 
 def accepts_past_key_values(model_class: type) -> bool:
@@ -105,7 +114,7 @@ def _only_under_new_name(kwargs: dict[str, Any]) -> bool:
 
 
 def reading_update_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``AttentionBridge._update_kv_cache`` so that it also finds a cache passed as ``cache``."""
+    """Wrap ``AttentionBridge._update_kv_cache``: it also finds a cache passed as ``cache``."""
 
     @functools.wraps(original)
     def _update_kv_cache(self: Any, k: Any, v: Any, **kwargs: Any) -> Any:
@@ -152,4 +161,4 @@ def _cache_of(output: Any) -> Any:
 
 def output_alias() -> property:
     """``past_key_values`` as a read-only alias of ``cache`` on model outputs."""
-    return property(_cache_of, doc="The model's KV cache (alias of ``cache``), for TransformerBridge.")
+    return property(_cache_of, doc="The model's KV cache (alias of ``cache``).")

@@ -1,4 +1,4 @@
-"""TransformerBridge conversions (``to``, ``half``, ``bfloat16``, ...) that keep the bridge coherent.
+"""TransformerBridge conversions (``to``, ``half``, ``bfloat16``, ...) that keep it coherent.
 
 Stock TransformerBridge has two traps here:
 

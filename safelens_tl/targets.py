@@ -133,7 +133,7 @@ class BridgeLayout:
 
 
 def has_bridge() -> bool:
-    """Whether the installed TransformerLens ships ``transformer_lens.model_bridge`` (not imported)."""
+    """Whether this TransformerLens has ``transformer_lens.model_bridge`` (without importing it)."""
     from importlib import util
 
     try:

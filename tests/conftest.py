@@ -25,6 +25,12 @@ LAYOUT = targets.locate()
 RELEASE = LAYOUT.release
 HAS_HOOKED_TRANSFORMER = LAYOUT.known.has_hooked_transformer
 
+HAS_BRIDGE = targets.has_bridge()
+
+requires_bridge = pytest.mark.skipif(
+    not HAS_BRIDGE, reason=f"TransformerLens {RELEASE} has no TransformerBridge"
+)
+
 requires_hooked_transformer = pytest.mark.skipif(
     not HAS_HOOKED_TRANSFORMER,
     reason=f"TransformerLens {RELEASE} has no HookedTransformer",

@@ -25,10 +25,8 @@ from typing import Any
 
 import pytest
 
-from safelens_tl import _startup, targets
-from tests.conftest import HAS_HOOKED_TRANSFORMER, LAYOUT
-
-HAS_BRIDGE = targets.has_bridge()
+from safelens_tl import _startup
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "pluggy", "importlib.metadata", "transformer_lens")

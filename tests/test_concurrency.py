@@ -71,7 +71,14 @@ def _assert_consistent(targets: dict[str, tuple[type, str]], stock: dict[str, ob
         assert current is not stock[target], f"{target} is not patched although active"
         wrapped = getattr(getattr(current, "__func__", current), "__wrapped__", None)
         if wrapped is not None:  # a wrapper of the original, never a wrapper of a wrapper
-            assert wrapped is getattr(stock[target], "__func__", stock[target])
+            original = stock[target]
+            if original is MISSING:  # the class inherited it: the wrapper wraps the inherited one
+                original = next(
+                    base.__dict__[attribute]
+                    for base in owner.__mro__[1:]
+                    if attribute in base.__dict__
+                )
+            assert wrapped is getattr(original, "__func__", original)
     if active:
         entry_class, _ = next(v for t, v in targets.items() if t.endswith(".append"))
         assert entry_class.__dict__["append"] is kv_cache.append

@@ -94,24 +94,23 @@ def model_folder(name: str = "llama-like-gqa") -> Path:
     if name not in _folders:
         from transformers import AutoModelForCausalLM
 
+        auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
         tokenizer = models.load_tokenizer()
         config = BRIDGE_MODELS[name](tokenizer)
         torch.manual_seed(0)
         folder = models.scratch_folder(f"hf-{name}")
         with no_progress_bars():
-            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            auto.from_config(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         _folders[name] = folder
     return _folders[name]
 
 
-def boot(
-    name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
-) -> Any:
+def boot(name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot") -> Any:
     """Boot ``name`` as a TransformerBridge in ``dtype`` on ``device``.
 
     ``conversion``: ``"boot"`` boots in ``dtype``; ``"half"`` boots in float32 and calls
-    ``.half()`` / ``.bfloat16()`` / ``.float()``; ``"to"`` boots in float32 and calls ``.to(dtype)``.
+    ``.half()`` / ``.bfloat16()`` / ``.float()``; ``"to"`` boots in float32, then ``.to(dtype)``.
     """
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -119,7 +118,9 @@ def boot(
         raise ValueError(f"conversion must be one of {CONVERSIONS}; received {conversion!r}")
     first = dtype if conversion == "boot" else torch.float32
     with no_progress_bars(), contextlib.redirect_stdout(None):
-        bridge = TransformerBridge.boot_transformers(str(model_folder(name)), dtype=first, device=device)
+        bridge = TransformerBridge.boot_transformers(
+            str(model_folder(name)), dtype=first, device=device
+        )
         if conversion == "to":
             bridge = bridge.to(dtype)
         elif conversion == "half":
@@ -132,8 +133,9 @@ def reference_model(name: str, dtype: torch.dtype, device: str = "cpu") -> Any:
     """The same checkpoint as a plain Hugging Face model: no TransformerLens involved."""
     from transformers import AutoModelForCausalLM
 
+    auto: Any = AutoModelForCausalLM
     with no_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(str(model_folder(name)), dtype=dtype)
+        model = auto.from_pretrained(str(model_folder(name)), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -162,9 +164,10 @@ class BridgeRun:
 
 def _step_logits(output: Any) -> torch.Tensor:
     logits = output.logits if hasattr(output, "logits") else output[1]
-    if isinstance(logits, (tuple, list)):
-        logits = torch.stack(list(logits), dim=1)
-    return logits
+    stacked: torch.Tensor = (
+        torch.stack(list(logits), dim=1) if isinstance(logits, (tuple, list)) else logits
+    )
+    return stacked
 
 
 def first_cache_layer(cache: Any) -> torch.Tensor | None:
@@ -174,6 +177,7 @@ def first_cache_layer(cache: Any) -> torch.Tensor | None:
     """
     if cache is None:
         return None
+    keys: Any
     layers = getattr(cache, "layers", None)
     if layers is not None:
         keys = getattr(layers[0], "keys", None) if layers else None

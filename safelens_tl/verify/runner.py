@@ -284,7 +284,7 @@ def _cache_class_check(dtype: torch.dtype, device: str) -> CheckResult:
 
 
 def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
-    """TransformerBridge ``name``: cached ``generate`` replayed against Hugging Face, batches 1, 2."""
+    """TransformerBridge ``name``: cached ``generate`` replayed against Hugging Face."""
     import safelens_tl
     from safelens_tl.verify import bridge
 

@@ -1,0 +1,301 @@
+"""TransformerBridge reads the KV cache under whichever name the installed transformers passes.
+
+Real TransformerBridge, real Hugging Face models (tiny, random weights, saved to a temporary
+folder and booted offline) and an independent reference: the same checkpoint loaded with plain
+``AutoModelForCausalLM`` and run once, uncached, over what the bridge generated.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import bridge_cache, targets
+from safelens_tl.verify import bridge, checks
+from tests.conftest import requires_bridge
+
+pytestmark = requires_bridge
+
+#: Whether the installed transformers passes the cache as ``cache`` (5.24 on).
+RENAMED = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
+renamed_only = pytest.mark.skipif(
+    not RENAMED, reason="this transformers still passes the cache as past_key_values"
+)
+MODELS = tuple(bridge.BRIDGE_MODELS)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+CACHE_ARGUMENT_NAMES = {"past_key_values", "past_key_value", "layer_past", "cache"}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_generate_equals_the_greedy_uncached_loop_in_float32(
+    patched: safelens_tl.activation.Status, name: str
+) -> None:
+    for run in bridge.run_bridge(name, torch.float32):
+        assert torch.equal(run.cached_tokens, run.uncached_tokens), (name, run.batch)
+        assert run.max_rel_err <= checks.TOLERANCES[torch.float32], (name, run.batch)
+
+
+@pytest.mark.parametrize("conversion", bridge.CONVERSIONS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_generate_replays_against_hugging_face_in_half_precision(
+    patched: safelens_tl.activation.Status, name: str, dtype: torch.dtype, conversion: str
+) -> None:
+    """Booted in the dtype, or booted in float32 and converted with .half()/.bfloat16()/.to()."""
+    model = bridge.boot(name, dtype, conversion=conversion)
+    assert model.cfg.dtype == dtype
+    reference = bridge.reference_model(name, dtype)
+    for batch, prompts in bridge.BATCHES.items():
+        run = bridge.run_batch(model, reference, prompts)
+        assert run.max_rel_err <= checks.TOLERANCES[dtype], (batch, run.max_rel_err)
+        assert run.cache_dtype == dtype and run.cache_device == torch.device("cpu")
+        assert run.cache_heads == run.expected_cache_heads
+
+
+@renamed_only
+@pytest.mark.parametrize("name", MODELS)
+def test_stock_bridge_ignores_its_cache_when_the_argument_is_renamed(name: str) -> None:
+    """What the fix is for: without it, each cached step attends to itself alone."""
+    assert not safelens_tl.is_active()
+    runs = bridge.run_bridge(name, torch.float32)
+    assert all(run.max_rel_err > 0.1 for run in runs)
+    assert all(run.cache_dtype is None for run in runs), "stock stored nothing in the cache"
+    assert bridge.cache_argument_diagnosis() is not None
+
+
+@pytest.mark.skipif(RENAMED, reason="needs a transformers that passes past_key_values (<= 5.23)")
+def test_where_nothing_is_renamed_the_cache_argument_is_left_alone() -> None:
+    """transformers <= 5.23: stock is right; no cache-argument patch is added; results are equal."""
+    stock = bridge.run_bridge("llama-like-gqa", torch.float16)
+    status = safelens_tl.activate()
+    patched = bridge.run_bridge("llama-like-gqa", torch.float16)
+    assert not [target for target in status.patched if "_update_kv_cache" in target]
+    assert bridge.cache_argument_diagnosis() is None
+    for before, after in zip(stock, patched, strict=True):
+        assert before.max_rel_err == after.max_rel_err <= checks.TOLERANCES[torch.float16]
+        assert torch.equal(before.cached_tokens, after.cached_tokens)
+
+
+def _reads_cache_argument(function: ast.FunctionDef) -> bool:
+    """Whether a method takes a cache parameter or reads one from ``kwargs`` by name."""
+    parameters = {a.arg for a in function.args.args + function.args.kwonlyargs}
+    if parameters & (CACHE_ARGUMENT_NAMES - {"cache"}):
+        return True
+    for node in ast.walk(function):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"get", "pop"}
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "kwargs"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value in CACHE_ARGUMENT_NAMES
+        ):
+            return True
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "kwargs"
+            and isinstance(node.slice, ast.Constant)
+            and node.slice.value in CACHE_ARGUMENT_NAMES
+        ):
+            return True
+    return False
+
+
+def cache_readers() -> set[str]:
+    """Every component class of the installed ``model_bridge`` that reads a KV cache argument.
+
+    Found in the source, so that a reader added by a new TransformerLens release shows up here.
+    The bridge itself (``TransformerBridge.forward``, which hands the cache to the model) is not a
+    component and is covered separately.
+    """
+    package = importlib.import_module(targets.BRIDGE_MODULE)
+    root = Path(package.__file__).parent  # type: ignore[arg-type]
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join((targets.BRIDGE_MODULE, *path.relative_to(root).with_suffix("").parts))
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name != "TransformerBridge":
+                methods = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef)]
+                if any(_reads_cache_argument(method) for method in methods):
+                    found.add(f"{module.removesuffix('.__init__')}.{node.name}")
+    return found
+
+
+def test_every_cache_reader_of_the_release_is_patched_or_listed_with_a_reason() -> None:
+    readers = cache_readers()
+    assert targets.ATTENTION_BRIDGE_CLASS in readers, "the scan no longer finds the base reader"
+    covered = {
+        targets.ATTENTION_BRIDGE_CLASS,
+        *targets.FORWARD_CACHE_READERS,
+        *targets.UNPATCHED_CACHE_READERS,
+    }
+    missing = sorted(readers - covered)
+    assert not missing, (
+        f"these TransformerBridge components read a KV cache argument and are neither patched "
+        f"(targets.FORWARD_CACHE_READERS) nor listed in targets.UNPATCHED_CACHE_READERS: {missing}"
+    )
+    # A subclass overriding _update_kv_cache would escape the base-class patch.
+    attention = targets.locate_bridge().attention_class
+    overriding = [
+        c.__qualname__ for c in _subclasses(attention) if "_update_kv_cache" in c.__dict__
+    ]
+    assert not overriding, overriding
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.extend([sub, *_subclasses(sub)])
+    return found
+
+
+@renamed_only
+def test_every_patched_reader_of_the_release_is_patched_after_activation(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    layout = targets.locate_bridge()
+    report = safelens_tl.status()
+    expected = [(layout.attention_class, "_update_kv_cache")]
+    expected += [(reader, "forward") for reader in layout.forward_cache_readers]
+    for owner, name in expected:
+        assert f"{owner.__module__}.{owner.__qualname__}.{name}" in report.patched
+    assert not report.failures, report.failures
+
+
+def test_deactivate_restores_every_bridge_attribute_exactly() -> None:
+    layout = targets.locate_bridge()
+    owners = [layout.bridge_class, layout.attention_class, *layout.forward_cache_readers]
+    if layout.driver_class is not None:
+        owners.append(layout.driver_class)
+    before = [dict(owner.__dict__) for owner in owners]
+    status = safelens_tl.activate()
+    assert any("TransformerBridge" in target for target in status.patched)
+    safelens_tl.deactivate()
+    after = [dict(owner.__dict__) for owner in owners]
+    for owner, old, new in zip(owners, before, after, strict=True):
+        assert old.keys() == new.keys(), owner
+        assert all(old[k] is new[k] for k in old), owner
+
+
+@renamed_only
+@pytest.mark.skipif(
+    not hasattr(targets, "TRANSFORMERS_DRIVER_CLASS")
+    or targets.optional_class(targets.TRANSFORMERS_DRIVER_CLASS) is None,
+    reason="the cache is handed to the model by name only where TransformersDriver exists (4.x)",
+)
+def test_patched_generate_raises_no_deprecation_warning_about_the_old_name(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    model = bridge.boot("llama-like-gqa", torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate("the cat runs", use_past_kv_cache=True, **checks.greedy_arguments(4))
+    messages = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not messages, messages
+
+
+def _without_old_name_shims(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> int:
+    """Replace every ``deprecate_kwarg("past_key_values", ...)`` method by what it wraps."""
+    removed = 0
+    for owner in vars(module).values():
+        if not isinstance(owner, type) or owner.__module__ != module.__name__:
+            continue
+        for name, function in list(vars(owner).items()):
+            inner: Any = function
+            while bridge_cache.SHIM_OLD_NAME in bridge_cache._shim_old_names(inner):
+                inner = inner.__wrapped__
+            if inner is not function:
+                monkeypatch.setattr(owner, name, inner)
+                removed += 1
+    return removed
+
+
+@renamed_only
+def test_cached_generate_stays_right_once_transformers_drops_the_old_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers says the ``past_key_values`` shims go in 5.40: simulated here by removing
+    them (and ``ModelOutput.past_key_values``) from the real installed modules."""
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.llama import modeling_llama
+    from transformers.utils import generic
+
+    assert _without_old_name_shims(monkeypatch, modeling_llama) > 0
+    assert _without_old_name_shims(monkeypatch, modeling_gpt2) > 0
+    monkeypatch.delattr(generic.ModelOutput, bridge_cache.SHIM_OLD_NAME)
+    assert not bridge_cache.accepts_past_key_values(modeling_llama.LlamaForCausalLM)
+    try:
+        status = safelens_tl.activate()
+        if targets.locate_bridge().driver_class is None:
+            # TransformerLens 3.x hands the model its cache as past_key_values itself.
+            assert any("no longer accepts `past_key_values`" in f.message for f in status.failures)
+            return
+        assert not status.failures, status.failures
+        for name in MODELS:
+            for run in bridge.run_bridge(name, torch.float32):
+                assert torch.equal(run.cached_tokens, run.uncached_tokens), (name, run.batch)
+                assert run.max_rel_err <= checks.TOLERANCES[torch.float32], (name, run.batch)
+    finally:
+        safelens_tl.deactivate()  # before monkeypatch puts the shims back
+
+
+def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path) -> None:
+    """A fresh interpreter: ``import transformer_lens`` must not import the bridge (about 2 s)."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import transformer_lens
+        import safelens_tl
+        before = safelens_tl.status()
+        loaded_early = "transformer_lens.model_bridge" in sys.modules
+        import transformer_lens.model_bridge
+        after = safelens_tl.status()
+        print(json.dumps({
+            "loaded_early": loaded_early,
+            "pending_before": list(before.pending),
+            "pending_after": list(after.pending),
+            "bridge_patched": [t for t in after.patched if "model_bridge" in t],
+            "failures": [str(f) for f in after.failures],
+        }))
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_child_env(), "HF_HUB_OFFLINE": "1"},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    import json
+
+    out = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert not out["loaded_early"]
+    assert out["pending_before"] == [targets.BRIDGE_MODULE]
+    assert out["pending_after"] == []
+    assert any(t.endswith("TransformerBridge.to") for t in out["bridge_patched"])
+    if RENAMED:
+        assert any(t.endswith("AttentionBridge._update_kv_cache") for t in out["bridge_patched"])
+    assert out["failures"] == []
+
+
+def _child_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "SAFELENS_TL_AUTOPATCH"}
