@@ -148,6 +148,10 @@ def render(report: dict[str, Any]) -> None:
     table.add_row("active", _yes_no(activation["active"]))
     table.add_row("plugins", escape(", ".join(activation["plugins"]) or "-"))
     table.add_row("patched", escape("\n".join(activation["patched"]) or "nothing"))
+    if activation["pending"]:
+        # TransformerLens imports these lazily; their patches apply at that first import.
+        waiting = ", ".join(activation["pending"])
+        table.add_row("patched when imported", escape(waiting))
     console = Console(file=sys.stdout)
     console.print(table)
     for problem in problems(report):

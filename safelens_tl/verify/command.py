@@ -133,13 +133,18 @@ class _ProgressListener:
         self.progress.update(self.task, total=total)
 
     def started(self, label: str) -> None:
-        self.progress.update(self.task, description=f"checking {label}")
+        from rich.markup import escape
+
+        self.progress.update(self.task, description=f"checking {escape(label)}")
 
     def finished(self, result: CheckResult) -> None:
+        from rich.markup import escape
+
         if self.announce:
             mark = "[green]ok[/]  " if result.passed else "[red]FAIL[/]"
             self.progress.console.print(
-                f"{mark} {result.model} {result.dtype} {result.device} ({result.seconds:.1f} s)",
+                f"{mark} {escape(result.model)} {result.dtype} {result.device} "
+                f"({result.seconds:.1f} s)",
                 highlight=False,
             )
         self.progress.advance(self.task)

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -116,7 +117,7 @@ def table(report: Report) -> Table:
         verdict = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
         agreement = "-" if check.greedy_agreement is None else f"{check.greedy_agreement:.0%}"
         result.add_row(
-            check.model,
+            escape(check.model),  # names such as "llama-like-gqa [bridge]" are not markup
             check.dtype,
             check.device,
             verdict,
@@ -155,7 +156,8 @@ def render(report: Report, console: Console) -> None:
     for check in report.checks:
         if check.error:
             console.print(
-                f"[red]x[/] {check.model} {check.dtype} {check.device}: {check.error}",
+                f"[red]x[/] {escape(check.model)} {check.dtype} {check.device}: "
+                f"{escape(check.error)}",
                 highlight=False,
             )
     if report.control is not None:

@@ -283,6 +283,11 @@ def _cache_class_check(dtype: torch.dtype, device: str) -> CheckResult:
     )
 
 
+def bridge_label(name: str) -> str:
+    """How a TransformerBridge model is named in the report (``llama-like-gqa [bridge]``)."""
+    return f"{name} [bridge]"
+
+
 def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
     """TransformerBridge ``name``: cached ``generate`` replayed against Hugging Face."""
     import safelens_tl
@@ -295,7 +300,7 @@ def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
     uncached = sum(run.seconds_uncached for run in runs)
     tokens = sum(run.cached_tokens.numel() for run in runs)
     result = CheckResult(
-        model=f"{name} (TransformerBridge)",
+        model=bridge_label(name),
         dtype=diagnostics.dtype_name(dtype),
         device=device,
         kind="bridge",
@@ -396,7 +401,7 @@ def builtin_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list
 
         for name in bridge.BRIDGE_MODELS:
             check = functools.partial(_bridge_check, name)
-            label = f"{name} (TransformerBridge)"
+            label = bridge_label(name)
             tasks.extend(_per_dtype_and_device(label, check, dtypes, devices))
     return tasks
 
