@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import statistics
 import time
@@ -93,9 +94,9 @@ def main() -> None:
     for prompt_length, new, batch in SHAPES:
         prompt = torch.randint(4, models.vocab_size(), (batch, prompt_length), generator=generator)
         ways: dict[str, Callable[[], torch.Tensor]] = {
-            "cached": lambda: _bridge_run(model, prompt, new, True),
-            "uncached": lambda: _bridge_run(model, prompt, new, False),
-            "hf": lambda: _hf_run(reference, prompt, new),
+            "cached": functools.partial(_bridge_run, model, prompt, new, True),
+            "uncached": functools.partial(_bridge_run, model, prompt, new, False),
+            "hf": functools.partial(_hf_run, reference, prompt, new),
         }
         times: dict[str, list[float]] = {way: [] for way in ways}
         outputs: dict[str, torch.Tensor] = {}
@@ -117,7 +118,7 @@ def main() -> None:
             f"{per_token['hf'] / per_token['cached']:.2f}x",
             "yes" if same else "NO",
         )
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":
