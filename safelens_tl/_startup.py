@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 ENV_VAR = "SAFELENS_TL_AUTOPATCH"
 #: Values of :data:`ENV_VAR` (case-insensitive, surrounding blanks ignored) that turn the hook off.
 OFF_VALUES = frozenset({"0", "false", "no", "off"})
+#: Values that leave it on (as does an unset variable). Any other value also leaves it on, with a
+#: warning at activation: a typo such as ``disable`` must not pass for an opt-out silently.
+ON_VALUES = frozenset({"", "1", "true", "yes", "on"})
 WATCHED = "transformer_lens"
 
 # What the hook did in this process, read by ``safelens-tl status``:
@@ -51,9 +54,33 @@ _pending: dict[str, list[Callable[[], object]]] = {}
 _completed: set[str] = set()
 
 
+def _setting() -> str:
+    return os.environ.get(ENV_VAR, "").strip().lower()
+
+
 def enabled() -> bool:
     """Return ``False`` when ``SAFELENS_TL_AUTOPATCH`` is one of ``0``/``false``/``no``/``off``."""
-    return os.environ.get(ENV_VAR, "").strip().lower() not in OFF_VALUES
+    return _setting() not in OFF_VALUES
+
+
+_warned_setting: str | None = None
+
+
+def _warn_unknown_setting() -> None:
+    """Warn once per value when ``SAFELENS_TL_AUTOPATCH`` is neither an on nor an off value."""
+    global _warned_setting
+    value = _setting()
+    if value in ON_VALUES or value in OFF_VALUES or value == _warned_setting:
+        return
+    _warned_setting = value
+    import warnings
+
+    warnings.warn(
+        f"safelens-tl: {ENV_VAR}={os.environ.get(ENV_VAR)!r} is not a known value; the start-up "
+        f"hook stays on. Use 0, false, no or off to turn it off (1, true, yes or on to keep it).",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def is_imported(name: str) -> bool:
@@ -131,9 +158,59 @@ class _NotifyingLoader:
         self._spec.loader = self._loader  # type: ignore[assignment]
         module.__loader__ = self._loader  # type: ignore[assignment]
         self._loader.exec_module(module)  # type: ignore[attr-defined]
+        # The module has executed: say so now rather than when this import returns. Another
+        # thread importing it meanwhile (a plugin's worker, say) then gets the module at once
+        # instead of waiting for the import lock this thread holds until the callbacks finish,
+        # which would deadlock if a callback waits for that thread.
+        self._spec._initializing = False  # type: ignore[attr-defined]
         # Reached only when the module imported fine; after a failed import the callbacks stay,
         # so a retried import still runs them.
         _fire(self._spec.name)
+
+
+_ModuleType = type(sys)  # types.ModuleType, without importing types at start-up
+
+
+class _FiresOnFirstUse(_ModuleType):
+    """The class a watched module gets when a loader other than ours is importing it.
+
+    Another finder ahead of ours in ``sys.meta_path`` (jaxtyping's ``install_import_hook``, a
+    debugger's, ...) takes the import, so our loader never runs. Seen mid-import, the module gets
+    this class: the first attribute read after it finished executing (``from transformer_lens
+    import X``, ``transformer_lens.X``) puts its class back and runs the callbacks first.
+    """
+
+    def __getattribute__(self, name: str) -> object:
+        spec = _ModuleType.__getattribute__(self, "__dict__").get("__spec__")
+        if not getattr(spec, "_initializing", False):
+            module_name = _ModuleType.__getattribute__(self, "__name__")
+            _ModuleType.__setattr__(self, "__class__", _trapped.pop(module_name, _ModuleType))
+            _fire(module_name)
+        return _ModuleType.__getattribute__(self, name)
+
+
+#: The original classes of the modules given :class:`_FiresOnFirstUse`.
+_trapped: dict[str, type] = {}
+
+
+def _catch_up() -> None:
+    """Notice watched modules that another loader has imported (or is importing) meanwhile."""
+    finished = []
+    with _lock:
+        for name in list(_pending):
+            module = sys.modules.get(name)
+            if module is None or name in _trapped:
+                continue
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                # Only a plain module class can be swapped (a custom one may define its own
+                # attribute access, which a swap would bypass).
+                if type(module).__getattribute__ is _ModuleType.__getattribute__:
+                    _trapped[name] = type(module)
+                    module.__class__ = _FiresOnFirstUse
+            else:
+                finished.append(name)
+    for name in finished:
+        _fire(name)
 
 
 class _Watcher:
@@ -144,6 +221,9 @@ class _Watcher:
     ) -> ModuleSpec | None:
         """Return the spec the other finders give a watched module, with its loader wrapped."""
         if fullname not in _pending:
+            # Consulted for another module: a watched one may have been imported by a finder
+            # ahead of this one, which never asked here. Costs a dict lookup per waiting module.
+            _catch_up()
             return None
         _completed.discard(fullname)  # imported anew (e.g. after removal from sys.modules)
         for finder in list(sys.meta_path):
@@ -199,25 +279,28 @@ def uninstall() -> None:
 def activate_now() -> None:
     """Activate safelens-tl; turn any exception into a warning and a ``status()`` entry.
 
-    Never raises (except ``KeyboardInterrupt``/``SystemExit``): the import that triggered it
-    must finish whatever happens here.
+    Never raises (except ``KeyboardInterrupt``): the import that triggered it must finish
+    whatever happens here.
     """
     global state
     if not enabled():  # the opt-out may be set in os.environ after start-up (notebooks)
         _disable()
         return
+    _warn_unknown_setting()
     try:
         import safelens_tl
 
         safelens_tl.activate()
-    except Exception as error:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # nothing may end the program from inside an import
         state = FAILED
         _report(error)
         return
     state = ACTIVATED
 
 
-def _report(error: Exception) -> None:
+def _report(error: BaseException) -> None:
     message = (
         f"automatic activation on `import {WATCHED}` failed ({type(error).__name__}: {error}); "
         f"TransformerLens works but is not patched. Try `import safelens_tl.patch` to see the "

@@ -18,6 +18,9 @@ from safelens_tl import _startup, patching
 from safelens_tl.plugins import Failure
 
 logger = logging.getLogger("safelens_tl")
+# A library logs to its own logger and leaves output to the application: without a handler,
+# logging's last-resort handler would print every failure a second time, next to its warning.
+logger.addHandler(logging.NullHandler())
 
 
 class SafelensWarning(UserWarning):
@@ -36,6 +39,8 @@ class Status:
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     #: Modules whose patches wait for the module's first import (see ``DeferredPatches``).
     pending: tuple[str, ...] = field(default_factory=tuple)
+    #: Worth knowing, not a failure (e.g. a TransformerLens recognised by its classes); warned.
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-serialisable data."""
@@ -43,6 +48,7 @@ class Status:
         data["patched"] = list(self.patched)
         data["plugins"] = list(self.plugins)
         data["pending"] = list(self.pending)
+        data["notes"] = list(self.notes)
         data["failures"] = [asdict(f) for f in self.failures]
         return data
 
@@ -91,7 +97,8 @@ def _plan() -> tuple[Status, list[patching.Patch | patching.DeferredPatches]]:
     patches, patch_failures = plugins.collect_patches(manager, layout)
     failures.extend(patch_failures)
     names = tuple(name for name, _ in manager.list_name_plugin())
-    status = Status(False, release, layout.known.name, (), names, tuple(failures))
+    notes = (layout.note,) if layout.note is not None else ()
+    status = Status(False, layout.release, layout.known.name, (), names, tuple(failures), (), notes)
     return status, patches
 
 
@@ -128,6 +135,7 @@ def _publish(failures: Iterable[Failure], base: Status | None = None) -> Status:
         plugins=base.plugins,
         failures=tuple(failures),
         pending=tuple(dict.fromkeys(module for module, _ in _state.waiting)),
+        notes=base.notes,
     )
     return _state.report
 
@@ -148,6 +156,8 @@ def activate() -> Status:
         _state.active = bool(_state.installed) or bool(deferred)
         _publish(failures, planned)
         _warn(failures)
+        for note in planned.notes:
+            warnings.warn(f"safelens-tl: {note}", SafelensWarning, stacklevel=3)
         for batch in deferred:
             callback = functools.partial(_install_deferred, batch)
             _state.waiting.append((batch.module, callback))
@@ -203,27 +213,40 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _describe_object(value: object) -> str:
+    function = getattr(value, "__func__", value)
+    name = getattr(function, "__qualname__", None) or type(value).__qualname__
+    module = getattr(function, "__module__", None) or type(value).__module__
+    return f"{module}.{name}"
+
+
 def deactivate() -> Status:
     """Remove the patches in reverse order; see :func:`safelens_tl.deactivate`."""
     with _state.lock:
         failures = list(_state.report.failures)
+        removed = []
         for installed in reversed(_state.installed):
-            if not patching.uninstall(installed):
-                failures.append(
+            foreign = patching.uninstall(installed)
+            if foreign is not patching.MISSING:
+                removed.append(
                     Failure(
                         installed.patch.plugin,
                         "uninstall",
-                        f"{installed.patch.target} had been replaced by someone else; "
-                        "the original was restored anyway",
+                        f"{installed.patch.target} had been replaced after safelens-tl patched "
+                        f"it, by {_describe_object(foreign)}; deactivate() removed that too (it "
+                        f"may have called safelens-tl's replacement) and restored the original",
                     )
                 )
+        failures.extend(removed)
         _state.installed.clear()
         _state.claimed.clear()
         for module, callback in _state.waiting:
             _startup.cancel(module, callback)
         _state.waiting.clear()
         _state.active = False
-        return _publish(failures)
+        report = _publish(failures)
+    _warn(removed)
+    return report
 
 
 def is_active() -> bool:

@@ -34,6 +34,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     patches = [
         Patch(entry, "init_cache_entry", classmethod(kv_cache.init_cache_entry)),
         Patch(entry, "append", kv_cache.append),
+        Patch(entry, "__getstate__", kv_cache.getstate),
     ]
     if callable(cache.__dict__.get("append_attention_mask")):
         patches.append(Patch(cache, "append_attention_mask", kv_cache.append_attention_mask))

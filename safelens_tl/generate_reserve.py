@@ -1,9 +1,10 @@
-"""``HookedTransformer.generate`` (and ``generate_stream``) reserving the KV cache up front.
+"""``HookedTransformer.generate`` (and ``generate_stream``) planning the KV cache's final length.
 
-``generate`` knows how many positions it will add (``max_new_tokens``), so each layer's buffer can
-be sized once, at the prompt, instead of growing by 25% several times (copies, and up to 25% spare
-memory). The prompt length is not computed here: strings would have to be tokenized exactly as
-``generate`` does (BOS, padding side, overridden defaults).
+``generate`` knows how many positions it may add (``max_new_tokens``), so each layer's buffer can
+end exactly at its final length instead of growing by 25% with up to 25% spare; it grows towards
+that length in bounded steps, since a generation may stop early (see
+:func:`safelens_tl.kv_storage.reserve_ahead`). The prompt length is not computed here: strings
+would have to be tokenized exactly as ``generate`` does (BOS, padding side, overridden defaults).
 :func:`safelens_tl.kv_storage.reserve_ahead` instead adds the new tokens to whatever the first
 write of each layer holds, which is the prompt.
 
@@ -92,17 +93,19 @@ def _reserved_while_running(stream: Iterator[Any], ahead: int) -> Generator[Any,
 def reserving_generate_stream(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``original`` (``HookedTransformer.generate_stream``, TL 3.9+) like ``generate``.
 
-    The wrapper returns the original's generator wrapped, so argument errors still surface at the
-    call, as they do for the original generator function.
+    The wrapper is itself a generator function, as the original is, so ``inspect`` and code that
+    checks for one see no difference. Like any generator function taking ``*args, **kwargs``, it
+    binds the arguments when the first item is requested: an argument the original does not take
+    raises ``TypeError`` there, not at the call.
     """
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def generate_stream(*args: Any, **kwargs: Any) -> Any:
+    def generate_stream(*args: Any, **kwargs: Any) -> Generator[Any, None, Any]:
         ahead = positions_ahead(signature, args, kwargs)
         stream = original(*args, **kwargs)
         if ahead is None:
-            return stream
-        return _reserved_while_running(stream, ahead)
+            return (yield from stream)
+        return (yield from _reserved_while_running(stream, ahead))
 
     return generate_stream

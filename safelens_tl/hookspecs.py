@@ -32,6 +32,21 @@ def safelens_tl_patches(layout: Layout) -> Iterable[Patch]:  # type: ignore[empt
 
     ``layout`` names the cache classes of the installed release (see :mod:`safelens_tl.targets`).
     Return an iterable of :class:`safelens_tl.patching.Patch`; an empty one means "nothing here".
-    The patches are installed after every plugin has answered, and removed by ``deactivate()``.
-    A plugin that raises or returns anything else is reported and skipped; the others still apply.
+    For classes of a module TransformerLens imports lazily (``transformer_lens.model_bridge``),
+    return a :class:`safelens_tl.patching.DeferredPatches` instead of importing it here. The
+    patches are installed after every plugin has answered, and removed by ``deactivate()``.
+
+    Rules for plugin authors. This hook, and the import of the plugin's module, run inside the
+    user's ``import transformer_lens`` (the start-up hook activates there):
+
+    - Return quickly. Do no I/O, network or model loading; a plugin still running after 10 s is
+      named on stderr, but the import waits for it.
+    - Do not wait for other threads. A thread that imports ``transformer_lens`` gets the module
+      without waiting, but one that imports a TransformerLens submodule not yet imported may need
+      the import lock the importing thread holds.
+    - Never end the program: raising anything, ``SystemExit`` included (an ``argparse`` at import
+      time), is caught, reported with a warning and in ``status()``, and the plugin is skipped;
+      only ``KeyboardInterrupt`` passes through.
+    - A plugin that returns anything but ``Patch`` / ``DeferredPatches`` objects is skipped as a
+      whole; the others, and the built-in fixes, still apply.
     """

@@ -134,6 +134,12 @@ def _validate(
                 f"{where}: the cached {label} hold {past.size(1)} positions on the meta device, "
                 f"which has no data to move to {new.device}; start a new cache on a real device."
             )
+        if past.size(1) and past.device.type != "meta" and new.device.type == "meta":
+            raise ValueError(
+                f"{where}: new {label} are on the meta device (no data) but the cache holds "
+                f"{past.size(1)} real positions on {past.device}, which moving to meta would "
+                f"lose; compute the keys and values on {past.device}, or start a new cache."
+            )
     if past_keys.size(1) != past_values.size(1):
         raise ValueError(
             f"{where}: past_keys holds {past_keys.size(1)} positions but past_values holds "
@@ -153,12 +159,16 @@ def append(
     self: Any, new_keys: torch.Tensor, new_values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
-    past_keys, past_values = self.past_keys, self.past_values
     storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
+    # Before this function holds any reference to the views: is an earlier view still held
+    # elsewhere? Then this step is written to a new buffer (copy-on-write; see kv_storage).
+    private = storage is not None and not storage.shared_outside(self.__dict__)
+    past_keys, past_values = self.past_keys, self.past_values
     # Per-token fast path (every step of generate): try_write accepts only what the full
     # validation below would accept unchanged, and changes nothing when it refuses.
     if (
         storage is not None
+        and private
         and not self.frozen
         and not torch.is_grad_enabled()
         and storage.try_write(past_keys, past_values, new_keys, new_values)
@@ -180,7 +190,7 @@ def append(
         return keys, values
 
     ours = storage is not None and storage.backs(past_keys, past_values)
-    if storage is not None and ours and storage.can_write(new_keys, new_values):
+    if storage is not None and ours and private and storage.can_write(new_keys, new_values):
         storage.write(new_keys, new_values)
     else:
         # A plan (reserve_ahead) is kept only while the past is still ours: a reassigned past
@@ -192,6 +202,21 @@ def append(
         self.__dict__[_STORAGE] = storage
     self.past_keys, self.past_values = storage.keys_view, storage.values_view
     return storage.keys_view, storage.values_view
+
+
+def getstate(self: Any) -> dict[str, Any]:
+    """What ``pickle`` and ``copy.deepcopy`` store of an entry: exactly what stock would.
+
+    ``past_keys``/``past_values`` become plain contiguous tensors of exactly the cached length
+    (not views of a larger buffer, whose whole storage pickle would write), and safelens-tl's own
+    attributes are left out, so the pickle loads where safelens-tl is not installed.
+    """
+    state = {k: v for k, v in self.__dict__.items() if not k.startswith("_safelens_")}
+    storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
+    if storage is not None and storage.backs(state.get("past_keys"), state.get("past_values")):
+        state["past_keys"] = storage.keys_view.clone(memory_format=torch.contiguous_format)
+        state["past_values"] = storage.values_view.clone(memory_format=torch.contiguous_format)
+    return state
 
 
 def label_layers(cache: Any) -> None:

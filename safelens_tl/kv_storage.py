@@ -5,6 +5,13 @@ past lives in a buffer with spare capacity; an append writes only the new positi
 ``past_keys``/``past_values`` are views of exactly the cached length. Positions already handed out
 are never written again, so a tensor returned earlier never changes.
 
+Copy-on-write keeps stock's independence of old tensors: stock's ``torch.cat`` gives every step a
+tensor of its own, so a snapshot (``clean = entry.past_keys``) and the live cache never affect each
+other. Here they would share the buffer. So at each append, if anything besides the cache still
+holds a handed-out view, or any other tensor sharing the buffer (a slice of it, a tensor autograd
+saved), the new step goes to a fresh buffer and the old one is left to its holders. ``generate``
+drops its views every step, so its appends stay in place.
+
 Layout: the buffers are head-major, ``[batch, heads, capacity, d_head]``, and hand out
 ``[batch, pos, heads, d_head]`` views, so that attention reads them without a copy (see
 :class:`KVStorage`).
@@ -19,13 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 #: Growth factor 1.25: amortized O(1) appends with at most 25% spare capacity.
 _GROWTH_NUMERATOR, _GROWTH_DENOMINATOR = 5, 4
+#: Under a plan (``reserve_ahead``), a buffer grows towards the planned total in steps of at most
+#: 25% or this many positions, whichever is more: a ``generate`` that stops early (EOS) never holds
+#: more than max(1.25 x, + PLAN_STEP positions) of what stock holds at that moment.
+PLAN_STEP = 64
 
 _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_positions", default=None
@@ -33,6 +45,21 @@ _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar
 _reserved_ahead: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_ahead", default=None
 )
+
+
+# How many tensors share a buffer's storage: torch's count of storage references (one per tensor
+# viewing it). Private to torch; where a release lacks it, the buffer's own reference count (which
+# counts its views outside inference mode) stands in.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: Tensors of our own on each buffer's storage: the buffer, its by-position view, the current view.
+_OWN_TENSORS = 3
+
+
+def _other_tensors_share(buffer: torch.Tensor) -> bool:
+    if _storage_use_count is not None:
+        # + 1: the storage object untyped_storage() creates for the call.
+        return int(_storage_use_count(buffer.untyped_storage()._cdata)) > _OWN_TENSORS + 1
+    return int(buffer._use_count()) > _OWN_TENSORS
 
 
 def _require_count(name: str, value: object) -> int:
@@ -63,11 +90,14 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
 
     ``generate`` knows how many tokens it will add (``max_new_tokens``) but its prompt length only
     once it has tokenized the input. The first write of each layer (the prompt) is stored exactly,
-    and the storage remembers prompt + ``extra_positions``; the first time the layer needs more
-    room it gets exactly that total, once. Why not reserve the total at the prompt: the prompt's
-    forward pass is where attention's memory peaks, and a cache already holding every future
-    position would raise that peak above stock's (on CUDA the whole buffer is allocated at once).
-    The price is one copy of the prompt's keys and values per layer, at the first new token.
+    and the storage remembers prompt + ``extra_positions``; when the layer needs more room it grows
+    towards that total in steps of at most 25% or :data:`PLAN_STEP` positions, and the last step
+    ends exactly at the total (no spare at the end). A short generation reaches it in one step.
+
+    Why not reserve the total at once: a generation may stop early (EOS), and ``max_new_tokens``
+    can be far larger than what is generated; and the prompt's forward pass is where attention's
+    memory peaks, which a cache holding every future position would raise above stock's (on
+    CUDA a buffer is allocated whole). The price is a copy of the past at each step.
     """
     token = _reserved_ahead.set(_require_count("extra_positions", extra_positions))
     try:
@@ -79,17 +109,19 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
 def capacity_for(needed: int, limit: int | None, planned: int | None = None) -> int:
     """Return the number of positions to allocate when ``needed`` positions must fit.
 
-    A :func:`reserve` in force wins when it is large enough, then a ``planned`` total (what
-    :func:`reserve_ahead` set for this cache) when large enough; otherwise grow by 25%. A plan or
-    growth never goes beyond ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is larger.
+    A :func:`reserve` in force wins when it is large enough. A ``planned`` total (what
+    :func:`reserve_ahead` set for this cache) is approached in steps: up to 25% or
+    :data:`PLAN_STEP` positions beyond ``needed``, never past the plan. Otherwise grow by 25%. A
+    plan or growth never goes beyond ``limit`` (the model's ``n_ctx``) unless ``needed`` itself is
+    larger.
     """
     reserved = _reserved_positions.get()
     if reserved is not None and reserved >= needed:
         return reserved
+    growth = needed * (_GROWTH_NUMERATOR - _GROWTH_DENOMINATOR) // _GROWTH_DENOMINATOR
     if planned is not None and planned >= needed:
-        wanted = planned
+        wanted = min(planned, needed + max(growth, PLAN_STEP))
     else:
-        growth = needed * (_GROWTH_NUMERATOR - _GROWTH_DENOMINATOR) // _GROWTH_DENOMINATOR
         wanted = needed + max(growth, 1)
     if limit is not None and needed <= limit:
         wanted = min(wanted, limit)
@@ -145,6 +177,23 @@ class KVStorage:
         """Bytes the buffers occupy, spare capacity included."""
         keys, values = self.keys, self.values
         return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+    def shared_outside(self, entry_state: Mapping[str, object]) -> bool:
+        """Whether anything but the cache holds a view handed out or another tensor on the buffers.
+
+        ``entry_state`` is the entry's ``__dict__``, whose ``past_keys``/``past_values`` are the
+        cache's own references. Call it before taking any other reference to the views.
+        """
+        # References to a view we know of: our attribute, getrefcount's argument, and the entry's
+        # attribute while it still holds that view. A caller's variable, a snapshot, autograd's
+        # saved tensor: each adds one.
+        known = 2 + (entry_state.get("past_keys") is self.keys_view)
+        if sys.getrefcount(self.keys_view) > known:
+            return True
+        known = 2 + (entry_state.get("past_values") is self.values_view)
+        if sys.getrefcount(self.values_view) > known:
+            return True
+        return _other_tensors_share(self.keys) or _other_tensors_share(self.values)
 
     def backs(self, past_keys: object, past_values: object) -> bool:
         """Whether the entry still holds the views this storage handed out (not reassigned)."""

@@ -66,16 +66,18 @@ def install(patch: Patch) -> InstalledPatch:
     return InstalledPatch(patch=patch, original=original)
 
 
-def uninstall(installed: InstalledPatch) -> bool:
-    """Restore the original attribute exactly; return ``False`` if someone replaced ours meanwhile.
+def uninstall(installed: InstalledPatch) -> object:
+    """Restore the original attribute exactly; return what stood there if it was not ours.
 
-    The original is restored in either case: leaving a half-patched class would be worse.
+    Returns :data:`MISSING` when our replacement was still in place. Someone else's object found
+    instead (a wrapper installed on top of ours) is removed too, since it may call ours, and
+    returned so that the caller can say what was removed.
     """
     patch = installed.patch
-    still_ours = patch.owner.__dict__.get(patch.attribute, MISSING) is patch.replacement
+    current = patch.owner.__dict__.get(patch.attribute, MISSING)
     if installed.original is MISSING:
         if patch.attribute in patch.owner.__dict__:
             delattr(patch.owner, patch.attribute)
     else:
         setattr(patch.owner, patch.attribute, installed.original)
-    return still_ours
+    return MISSING if current is patch.replacement else current

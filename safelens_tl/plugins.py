@@ -8,7 +8,10 @@ becomes a :class:`Failure` that the caller turns into a warning and a ``status()
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import sys
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,35 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+#: Seconds a plugin may run before a note on stderr says which one is holding up the import.
+SLOW_PLUGIN_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def _watched(source: str, stage: str) -> Iterator[None]:
+    """Run a plugin's code; if it has not returned after :data:`SLOW_PLUGIN_SECONDS`, say so.
+
+    A plugin runs inside ``import transformer_lens`` and cannot be interrupted from here; what
+    can be done is to tell the user, while it hangs, which plugin it is and how to skip it.
+    """
+
+    def report() -> None:
+        sys.stderr.write(
+            f"safelens-tl: plugin {source} ({stage}) has not returned after "
+            f"{SLOW_PLUGIN_SECONDS:.0f} s; the import of TransformerLens waits for it. "
+            f"Set SAFELENS_TL_AUTOPATCH=0 to skip auto-activation, or uninstall the plugin's "
+            f"distribution.\n"
+        )
+
+    timer = threading.Timer(SLOW_PLUGIN_SECONDS, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def new_manager() -> pluggy.PluginManager:
     """Return a plugin manager that knows the ``safelens_tl`` hook specifications."""
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -65,9 +97,12 @@ def load_entry_point_plugins(manager: pluggy.PluginManager) -> list[Failure]:
             continue
         seen.add(source)
         try:
-            plugin = entry_point.load()  # type: ignore[attr-defined]
+            with _watched(source, "load"):
+                plugin = entry_point.load()  # type: ignore[attr-defined]
             manager.register(plugin, name=source)
-        except Exception as error:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # SystemExit from an argparse at import, too
             failures.append(Failure(source, "load", _describe(error)))
     return failures
 
@@ -90,9 +125,12 @@ def collect_patches(
             # pluggy lets an implementation take a subset of the specified arguments.
             offered = {"layout": layout}
             arguments = {name: offered[name] for name in implementation.argnames}
-            answer: Any = implementation.function(**arguments)
-            received = list(answer) if answer is not None else []
-        except Exception as error:
+            with _watched(source, "safelens_tl_patches"):
+                answer: Any = implementation.function(**arguments)
+                received = list(answer) if answer is not None else []
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:
             failures.append(Failure(source, "safelens_tl_patches", _describe(error)))
             continue
         malformed = [item for item in received if not _is_valid_patch(item)]

@@ -154,6 +154,8 @@ def render(report: dict[str, Any]) -> None:
         table.add_row("patched when imported", escape(waiting))
     console = Console(file=sys.stdout)
     console.print(table)
+    for note in activation["notes"]:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     for problem in problems(report):
         console.print(f"[red]problem:[/red] {escape(problem)}")
 

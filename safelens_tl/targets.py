@@ -191,6 +191,9 @@ class Layout:
     known: KnownLayout
     entry_class: type
     cache_class: type
+    #: Set when the layout was recognised by its classes because the version said nothing (a git
+    #: checkout's ``0.0.0``, no metadata): what to tell the user.
+    note: str | None = None
 
     def config_class(self) -> type:
         """The release's base model-config class (for building configs in checks and tests)."""
@@ -224,6 +227,14 @@ def installed_release() -> str | None:
         return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None
+
+
+def says_nothing(release: str | None) -> bool:
+    """Whether a version names no release: no metadata, ``0.0.0`` (a git checkout), not numeric."""
+    if release is None:
+        return True
+    major = major_version(release)
+    return major is None or major == 0
 
 
 def major_version(release: str) -> int | None:
@@ -268,15 +279,61 @@ def check_signatures(entry_class: type) -> None:
             )
 
 
+def _importable(module: str) -> bool:
+    from importlib import util
+
+    try:
+        return util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _recognise(release: str | None) -> Layout:
+    """The layout whose classes the importable TransformerLens has, when its version says nothing.
+
+    Rows are tried oldest first; a row naming ``HookedTransformer`` matches only where it imports,
+    so a 4.x checkout (no ``HookedTransformer``) is not taken for 3.x.
+    """
+    shown = "no version metadata" if release is None else f"version {release!r}"
+    for known in KNOWN_LAYOUTS:
+        try:
+            entry_class = _import_object(known.entry_path)
+            cache_class = _import_object(known.cache_path)
+            if known.model_path is not None:
+                _import_object(known.model_path)
+        except (ImportError, AttributeError):
+            continue
+        if not isinstance(entry_class, type) or not isinstance(cache_class, type):
+            continue
+        try:
+            check_signatures(entry_class)
+        except UnsupportedLayoutError:
+            continue
+        note = (
+            f"transformer-lens has {shown} (installed from git or a source tree?); its classes "
+            f"match the known layout {known.name!r}, which is patched"
+        )
+        return Layout(release or "unknown", known, entry_class, cache_class, note)
+    raise UnsupportedLayoutError(
+        f"transformer-lens is importable but has {shown}, and its classes match no layout "
+        f"safelens-tl knows; nothing was patched. Install a released transformer-lens."
+    )
+
+
 def locate(release: str | None = None) -> Layout:
     """Find the cache classes of the installed TransformerLens.
 
     Raises :class:`UnsupportedLayoutError` with a message that names the release when it is not
-    installed, not in the table, or its classes are missing or shaped differently.
+    installed, not in the table, or its classes are missing or shaped differently. A version that
+    says nothing (see :func:`says_nothing`) is no reason to refuse: the classes are recognised by
+    what imports, and the layout's ``note`` says so.
     """
     release = installed_release() if release is None else release
-    if release is None:
-        raise UnsupportedLayoutError("transformer-lens is not installed; nothing to patch")
+    if says_nothing(release):
+        if not _importable("transformer_lens"):
+            raise UnsupportedLayoutError("transformer-lens is not installed; nothing to patch")
+        return _recognise(release)
+    assert release is not None
     known = known_layout_for(release)
     if known is None:
         supported = ", ".join(f"{k.first_major}.x-{k.last_major}.x" for k in KNOWN_LAYOUTS)

@@ -331,7 +331,10 @@ def test_plain_import_is_patched_and_generates_in_fp16(children: Results) -> Non
     # The watcher stays only while deferred patches wait (transformer_lens.model_bridge, which
     # TransformerLens imports lazily); otherwise it removed itself once it fired.
     assert out["watcher_left"] == bool(out["status"]["pending"])
-    assert out["status"]["pending"] == (["transformer_lens.model_bridge"] if HAS_BRIDGE else [])
+    # TransformerLens 4.x imports its bridge lazily; 3.x at once (then nothing waits).
+    assert out["status"]["pending"] in (
+        ([], ["transformer_lens.model_bridge"]) if HAS_BRIDGE else ([],)
+    )
     assert out["loader"] == out["spec_loader"] != "_NotifyingLoader"
     if HAS_HOOKED_TRANSFORMER:
         assert out["entry_dtype"] == "torch.float16"

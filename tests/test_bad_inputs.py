@@ -214,6 +214,14 @@ CATALOGUE: tuple[BadInput, ...] = (
         prepare=_set_past(kv(positions=CACHED).to("meta"), kv(positions=CACHED).to("meta")),
     ),
     BadInput(
+        "keys-meta",
+        "new keys and values on the `meta` device, 3 real positions cached",
+        ValueError,
+        "compute the keys and values on cpu",
+        "new keys are on the meta device",
+        _append(kv().to("meta"), kv().to("meta")),
+    ),
+    BadInput(
         "cfg-missing-d-head",
         "`init_cache_entry` with a cfg that lacks `d_head`",
         ValueError,

@@ -255,7 +255,8 @@ def test_cached_generate_stays_right_once_transformers_drops_the_old_name(
 
 
 def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path) -> None:
-    """A fresh interpreter: ``import transformer_lens`` must not import the bridge (about 2 s)."""
+    """A fresh interpreter: activation must not import the bridge (about 2 s) where
+    ``import transformer_lens`` does not (4.x); where it does (3.x), the patches apply at once."""
     code = textwrap.dedent(
         """
         import json, sys
@@ -286,8 +287,9 @@ def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path
     import json
 
     out = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert not out["loaded_early"]
-    assert out["pending_before"] == [targets.BRIDGE_MODULE]
+    assert out["pending_before"] == ([] if out["loaded_early"] else [targets.BRIDGE_MODULE])
+    if targets.locate_bridge().driver_class is not None:
+        assert not out["loaded_early"], "TransformerLens 4.x imports its bridge lazily"
     assert out["pending_after"] == []
     assert any(t.endswith("TransformerBridge.to") for t in out["bridge_patched"])
     if RENAMED:

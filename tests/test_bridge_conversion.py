@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_conversion
+from safelens_tl import bridge_conversion, targets
 from safelens_tl.verify import bridge, checks
 from tests.conftest import requires_bridge
 
@@ -114,13 +114,15 @@ def test_a_stale_cfg_device_follows_the_weights_after_a_conversion(
     assert tokens.device.type == "cpu"
 
 
-def test_stock_generate_fails_with_a_stale_cfg_device() -> None:
-    """Without the sync, generate builds its masks on the stale device and fails."""
+def test_stock_conversion_leaves_a_stale_cfg_device() -> None:
+    """Without the sync the stale device stays; TransformerLens 4.3's batched generate then builds
+    its attention mask there and fails."""
     model = bridge.boot("llama-like-gqa", torch.float32)
     model.cfg.device = "meta"
     model = model.float()
     assert model.cfg.device == "meta"
-    with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
-        model.generate(
-            ["the cat runs", "a dog"], use_past_kv_cache=True, **checks.greedy_arguments(3)
-        )
+    if targets.locate_bridge().driver_class is not None:  # 4.x
+        with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
+            model.generate(
+                ["the cat runs", "a dog"], use_past_kv_cache=True, **checks.greedy_arguments(3)
+            )
