@@ -168,7 +168,10 @@ class _NotifyingLoader:
         _fire(self._spec.name)
 
 
-_ModuleType = type(sys)  # types.ModuleType, without importing types at start-up
+if TYPE_CHECKING:
+    from types import ModuleType as _ModuleType
+else:
+    _ModuleType = type(sys)  # types.ModuleType, without importing types at start-up
 
 
 class _FiresOnFirstUse(_ModuleType):

@@ -59,7 +59,7 @@ def _other_tensors_share(buffer: torch.Tensor) -> bool:
     if _storage_use_count is not None:
         # + 1: the storage object untyped_storage() creates for the call.
         return int(_storage_use_count(buffer.untyped_storage()._cdata)) > _OWN_TENSORS + 1
-    return int(buffer._use_count()) > _OWN_TENSORS
+    return int(buffer._use_count()) > _OWN_TENSORS  # type: ignore[attr-defined]
 
 
 def _require_count(name: str, value: object) -> int:

@@ -230,11 +230,11 @@ def installed_release() -> str | None:
 
 
 def says_nothing(release: str | None) -> bool:
-    """Whether a version names no release: no metadata, ``0.0.0`` (a git checkout), not numeric."""
-    if release is None:
+    """Whether a version names no release: no metadata, ``0.0.0`` (what a git checkout of
+    TransformerLens reports, also with a ``.devN`` or ``+local`` tail), or not numeric."""
+    if release is None or major_version(release) is None:
         return True
-    major = major_version(release)
-    return major is None or major == 0
+    return release.split("+", 1)[0].split(".dev", 1)[0] == "0.0.0"
 
 
 def major_version(release: str) -> int | None:

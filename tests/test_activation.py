@@ -6,14 +6,18 @@ import importlib
 import subprocess
 import sys
 import threading
+import warnings
 from typing import Any
+
+import pytest
 
 import safelens_tl
 from safelens_tl import kv_cache
+from safelens_tl.activation import SafelensWarning
 from tests.conftest import LAYOUT, RELEASE
 
 PATCHED_ATTRIBUTES = {
-    LAYOUT.entry_class: ("init_cache_entry", "append"),
+    LAYOUT.entry_class: ("init_cache_entry", "append", "__getstate__"),
     LAYOUT.cache_class: ("append_attention_mask", "init_cache"),
 }
 
@@ -111,3 +115,28 @@ def test_status_to_dict_is_plain_data(patched: Any) -> None:
     assert data["active"] is True
     assert isinstance(data["patched"], list) and isinstance(data["failures"], list)
     assert data["transformer_lens"] == RELEASE
+
+
+def test_deactivate_says_which_wrapper_on_top_of_ours_it_removed(entry_class: type) -> None:
+    stock = entry_class.__dict__["append"]
+    safelens_tl.activate()
+    ours = entry_class.__dict__["append"]
+
+    def third_party_append(self: Any, keys: Any, values: Any) -> Any:
+        return ours(self, keys, values)
+
+    entry_class.append = third_party_append  # type: ignore[attr-defined]
+    with pytest.warns(SafelensWarning, match="third_party_append") as caught:
+        report = safelens_tl.deactivate()
+    assert "had been replaced after safelens-tl patched it" in str(caught[0].message)
+    assert entry_class.__dict__["append"] is stock
+    assert any(
+        f.stage == "uninstall" and "third_party_append" in f.message for f in report.failures
+    )
+
+
+def test_deactivate_is_quiet_when_everything_was_still_ours() -> None:
+    safelens_tl.activate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SafelensWarning)
+        safelens_tl.deactivate()

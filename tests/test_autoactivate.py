@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -424,3 +425,55 @@ def test_built_wheel_record_lists_the_hook(tmp_path: Path) -> None:
         record = archive.read(record_name).decode()
     assert "safelens_tl.pth" in names
     assert re.search(r"^safelens_tl\.pth,sha256=", record, flags=re.MULTILINE), record
+
+
+def test_activates_when_another_import_hook_loads_transformer_lens(tmp_path: Path) -> None:
+    """jaxtyping's ``install_import_hook`` (TransformerLens's own test setup) puts its finder
+    ahead of ours, so our loader never runs; activation must still come before first use."""
+    pytest.importorskip("jaxtyping")
+    code = f"""
+        import json, sys
+        from jaxtyping import install_import_hook
+        with install_import_hook("transformer_lens", None):
+            import transformer_lens
+        from safelens_tl import _startup
+        loader = type(transformer_lens.__spec__.loader).__name__  # first use: activates
+        import safelens_tl
+        print({MARK!r} + json.dumps([loader, _startup.state, safelens_tl.is_active()]))
+    """
+    loader, state, active = result_of(run_child(Child(code), tmp_path, timeout=600))
+    assert loader != "_NotifyingLoader"  # the other hook's loader did the import
+    assert state == _startup.ACTIVATED and active
+
+
+def test_a_hook_left_behind_by_a_removed_package_is_silent(tmp_path: Path) -> None:
+    """A deleted checkout leaves its .pth in site-packages; Python must start without a word."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "safelens_tl.pth").write_text((REPO / "safelens_tl.pth").read_text())
+    code = f"""
+        import sys
+        hidden = ("", {str(REPO)!r})
+        sys.path[:] = [p for p in sys.path if "site-packages" not in p and p not in hidden]
+        sys.modules.pop("safelens_tl", None)
+        sys.modules.pop("safelens_tl._startup", None)
+        import site
+        site.addsitedir({str(site)!r})
+        print({MARK!r} + str(int("safelens_tl" in sys.modules)))
+    """
+    completed = run_child(Child(code, flags=("-S",)), tmp_path)
+    assert result_of(completed) == 0
+    assert completed.stderr == "", completed.stderr
+
+
+def test_an_unknown_opt_out_value_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_startup, "_warned_setting", None)
+    monkeypatch.setenv(_startup.ENV_VAR, "disable")
+    assert _startup.enabled(), "an unknown value leaves the hook on"
+    with pytest.warns(RuntimeWarning, match="SAFELENS_TL_AUTOPATCH='disable' is not a known value"):
+        _startup._warn_unknown_setting()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _startup._warn_unknown_setting()  # once per value
+        monkeypatch.setenv(_startup.ENV_VAR, "yes")
+        _startup._warn_unknown_setting()  # a known value: silent

@@ -52,6 +52,17 @@ FAULTY_PLUGINS: dict[str, tuple[str, str]] = {
         "    return 42\n",
         "safelens_tl_patches",
     ),
+    "sl_exits_at_import": (
+        "raise SystemExit('sl_exits_at_import: an argparse at import, say')\n",
+        "load",
+    ),
+    "sl_exits_in_hook": (
+        "from safelens_tl.hookspecs import hookimpl\n"
+        "@hookimpl\n"
+        "def safelens_tl_patches(layout):\n"
+        "    raise SystemExit(3)\n",
+        "safelens_tl_patches",
+    ),
     "sl_conflicting": (
         "from safelens_tl.hookspecs import hookimpl\n"
         "from safelens_tl.patching import Patch\n"
@@ -86,6 +97,7 @@ CHILD = textwrap.dedent(
         "fp16_append_dtype": str(keys.dtype),
         "transformer_lens_file": transformer_lens.__file__,
         "stray_imported": "sl_stray" in sys.modules,
+        "thread_import_finished": __import__("sl_thread_import").FINISHED,
     }))
     """
 )
@@ -117,10 +129,73 @@ def child_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # A module that implements the hook but is no installed distribution, named in a made-up
     # variable: start-up safety says neither makes it a plugin.
     (site / "sl_stray.py").write_text(FAULTY_PLUGINS["sl_hook_raises"][0])
+    write_distribution(
+        site,
+        "sl_thread_import",
+        THREAD_IMPORT,
+        "[safelens_tl]\nsl_thread_import = sl_thread_import\n",
+    )
     done = run_child(site, CHILD, SAFELENS_TL_PLUGINS="sl_stray", SAFELENS_TL_PLUGIN="sl_stray")
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["stderr"] = done.stderr
     return result
+
+
+#: A well-behaved plugin except that it waits for a worker thread importing TransformerLens,
+#: which would wait for the import lock the importing thread holds while plugins run.
+THREAD_IMPORT = """
+import threading
+from safelens_tl.hookspecs import hookimpl
+FINISHED = []
+
+def _worker():
+    import transformer_lens
+    FINISHED.append(transformer_lens.__name__)
+
+@hookimpl
+def safelens_tl_patches(layout):
+    worker = threading.Thread(target=_worker)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        raise RuntimeError("sl_thread_import: the worker's import is still blocked after 60 s")
+    return []
+"""
+
+
+def test_a_plugin_may_wait_for_a_thread_that_imports_transformer_lens(
+    child_result: dict[str, Any],
+) -> None:
+    assert child_result["thread_import_finished"] == ["transformer_lens"]
+    sources = {f["source"] for f in child_result["report"]["failures"]}
+    assert "sl_thread_import:sl_thread_import" not in sources
+
+
+def test_each_failure_is_printed_once_not_also_by_logging(child_result: dict[str, Any]) -> None:
+    """The child records the warnings; nothing about the failures may reach stderr besides."""
+    assert "sl_hook_raises: broken inside the hook" not in child_result["stderr"]
+
+
+def test_a_plugin_that_hangs_is_named_on_stderr_while_it_runs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    write_distribution(
+        site,
+        "sl_sleeps",
+        "import time\ntime.sleep(3)\n",
+        "[safelens_tl]\nsl_sleeps = sl_sleeps\n",
+    )
+    code = (
+        "from safelens_tl import plugins\n"
+        "plugins.SLOW_PLUGIN_SECONDS = 0.5\n"
+        "import transformer_lens, safelens_tl\n"
+        "safelens_tl.activate()\n"
+        "print(safelens_tl.is_active())\n"
+    )
+    done = run_child(site, code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert "plugin sl_sleeps:sl_sleeps (load) has not returned after" in done.stderr
 
 
 @pytest.mark.parametrize("name", sorted(FAULTY_PLUGINS))

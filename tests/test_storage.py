@@ -374,3 +374,9 @@ def test_autocast_cache_is_bf16_and_half_the_bytes() -> None:
     assert stock_dtype == torch.float32
     assert dtype == torch.bfloat16
     assert patched_bytes * 2 == stock_bytes
+
+
+@requires_generate_stream
+def test_generate_stream_stays_a_generator_function(patched: Any) -> None:
+    assert _MODEL_CLASS is not None
+    assert inspect.isgeneratorfunction(_MODEL_CLASS.generate_stream)

@@ -29,11 +29,22 @@ def test_each_release_maps_to_one_row(release: str, row: int) -> None:
     assert targets.known_layout_for(release) is targets.KNOWN_LAYOUTS[row]
 
 
-@pytest.mark.parametrize("release", ["0.2.0", "5.0.0", "nightly"])
+@pytest.mark.parametrize("release", ["0.2.0", "5.0.0"])
 def test_unknown_release_is_refused_by_name(release: str) -> None:
     assert targets.known_layout_for(release) is None
     with pytest.raises(targets.UnsupportedLayoutError, match=release):
         targets.locate(release)
+
+
+@pytest.mark.parametrize("release", [None, "0.0.0", "0.0.0.dev3", "0.0.0+g1234abc", "nightly"])
+def test_a_version_that_says_nothing_is_recognised_by_its_classes(release: str | None) -> None:
+    """A git checkout reports 0.0.0; a source tree on sys.path has no metadata at all. The
+    installed classes decide, the same layout as the real release's, with a note, not a refusal."""
+    layout = targets.locate(release) if release is not None else targets._recognise(None)
+    real = targets.locate()
+    assert layout.known is real.known
+    assert (layout.entry_class, layout.cache_class) == (real.entry_class, real.cache_class)
+    assert layout.note is not None and "match the known layout" in layout.note
 
 
 def test_changed_signature_is_refused() -> None:

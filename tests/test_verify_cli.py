@@ -17,7 +17,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import HAS_HOOKED_TRANSFORMER, RELEASE
+from safelens_tl import bridge_cache
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
+
+#: Whether stock TransformerBridge's cached generation is broken here (transformers >= 5.24).
+BRIDGE_BROKEN = HAS_BRIDGE and bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +36,10 @@ class Run:
     report: dict[str, Any] | None
 
 
-def _environment(quiet_warnings: bool) -> dict[str, str]:
+def _environment(quiet_warnings: bool, scratch: Path | None = None) -> dict[str, str]:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if scratch is not None:
+        environment["TMPDIR"] = str(scratch)
     if quiet_warnings:
         # The usage-error tests count lines on stderr: third-party warnings at import time are
         # not the verifier's message.
@@ -41,8 +47,16 @@ def _environment(quiet_warnings: bool) -> dict[str, str]:
     return environment
 
 
-def verify(*arguments: str, json_path: Path | None = None, quiet_warnings: bool = False) -> Run:
-    """Run ``python -m safelens_tl verify ARGUMENTS`` and collect what it left."""
+def verify(
+    *arguments: str,
+    json_path: Path | None = None,
+    quiet_warnings: bool = False,
+    scratch: Path | None = None,
+) -> Run:
+    """Run ``python -m safelens_tl verify ARGUMENTS`` and collect what it left.
+
+    ``scratch``: the child's temporary-files folder (``TMPDIR``).
+    """
     command = [sys.executable, "-m", "safelens_tl", "verify", *arguments]
     if json_path is not None:
         command += ["--json", str(json_path)]
@@ -52,7 +66,7 @@ def verify(*arguments: str, json_path: Path | None = None, quiet_warnings: bool 
         text=True,
         timeout=300,
         cwd=REPO,
-        env=_environment(quiet_warnings),
+        env=_environment(quiet_warnings, scratch),
     )
     report = None
     if json_path is not None and json_path.is_file():
@@ -61,17 +75,23 @@ def verify(*arguments: str, json_path: Path | None = None, quiet_warnings: bool 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Run]]:
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temporary-files folder of the default run."""
+    return tmp_path_factory.mktemp("scratch")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, scratch: Path) -> dict[str, Future[Run]]:
     """Start the children that import TransformerLens, two at a time."""
     folder = tmp_path_factory.mktemp("verify")
     pool = ThreadPoolExecutor(max_workers=2)
     started = {
-        "default": pool.submit(verify, json_path=folder / "default.json"),
+        "default": pool.submit(verify, json_path=folder / "default.json", scratch=scratch),
         "unknown model": pool.submit(
             verify, "--model", "no-such-org/no-such-model", quiet_warnings=True
         ),
     }
-    if RELEASE == "3.0.0":
+    if RELEASE == "3.0.0" or BRIDGE_BROKEN:
         started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
     pool.shutdown(wait=False)
     return started
@@ -97,6 +117,44 @@ def test_default_run_writes_a_valid_report(runs: dict[str, Future[Run]]) -> None
     assert run.code == (0 if report["passed"] else 1)
     assert ("PASSED" if report["passed"] else "FAILED") in run.stdout
     assert "cached against uncached" in run.stdout  # the table's title
+    assert report["transformers"]  # its version: the TransformerBridge result depends on it
+
+
+def test_default_run_leaves_no_temporary_folders(
+    runs: dict[str, Future[Run]], scratch: Path
+) -> None:
+    run = runs["default"].result()
+    assert run.report is not None  # it ran, and built its tokenizer (and models) under scratch
+    assert list(scratch.iterdir()) == [], "verify left its model or tokenizer folders behind"
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason=f"TransformerLens {RELEASE} has no TransformerBridge")
+def test_default_run_checks_transformer_bridge_and_passes(runs: dict[str, Future[Run]]) -> None:
+    run = runs["default"].result()
+    assert run.code == 0, run.stdout + run.stderr
+    assert run.report is not None
+    bridge = [c for c in run.report["checks"] if c["kind"] == "bridge"]
+    assert {c["architecture"] for c in bridge} == {"LlamaForCausalLM", "GPT2LMHeadModel"}
+    assert {c["dtype"] for c in bridge} == {"float16", "bfloat16"}
+    for check in bridge:
+        assert check["passed"], check
+        assert check["max_rel_err"] <= check["tolerance"]
+        assert check["reference_rel_err"] <= check["reference_tolerance"]
+        assert check["cache_dtype"] == check["dtype"]
+        assert check["cache_heads"] == check["expected_cache_heads"]
+
+
+@pytest.mark.skipif(
+    not BRIDGE_BROKEN, reason="stock TransformerBridge is right with this transformers"
+)
+def test_no_patch_fails_the_bridge_and_says_why(runs: dict[str, Future[Run]]) -> None:
+    run = runs["no patch"].result()
+    assert run.code == 1, run.stdout + run.stderr
+    assert run.report is not None and run.report["patched"] is False
+    bridge = [c for c in run.report["checks"] if c["kind"] == "bridge"]
+    assert bridge and not any(c["passed"] for c in bridge)
+    for check in bridge:
+        assert "passes the KV cache to attention modules as `cache`" in check["error"]
 
 
 @pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="no HookedTransformer to generate with")
@@ -156,6 +214,18 @@ def test_bad_dtype_is_one_line_and_exit_2() -> None:
     # Other bad values (empty, mixed lists) are covered in-process in test_verify_api.py.
     run = verify("--dtype", "float16,float8", quiet_warnings=True)
     _assert_one_clear_line(run, "--dtype", "'float8'", "float16, bfloat16, float32")
+
+
+def test_an_indexed_cpu_is_a_usage_error() -> None:
+    run = verify("--device", "cpu:3", quiet_warnings=True)
+    _assert_one_clear_line(run, "--device", "'cpu:3'", "use cpu")
+
+
+def test_a_json_link_into_a_missing_folder_is_a_usage_error(tmp_path: Path) -> None:
+    link = tmp_path / "report.json"
+    link.symlink_to(tmp_path / "gone" / "report.json")
+    run = verify(json_path=link, quiet_warnings=True)
+    _assert_one_clear_line(run, "--json", "symbolic link", "does not exist")
 
 
 def test_unwritable_json_path_is_one_line_and_exit_2(tmp_path: Path) -> None:

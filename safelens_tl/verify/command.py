@@ -112,6 +112,8 @@ def parse_devices(values: list[str] | None) -> list[str] | None:
             raise UsageError(f"--device: {name!r} is not a device ({error})") from error
         if device.type not in ("cpu", "cuda"):
             raise UsageError(f"--device: {name!r} is not supported; expected cpu or cuda[:N]")
+        if device.type == "cpu" and device.index not in (None, 0):
+            raise UsageError(f"--device: {name!r}: there is one CPU device; use cpu")
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:

@@ -31,6 +31,9 @@ class CheckResult:
     passed: bool = False
     max_rel_err: float | None = None
     tolerance: float | None = None
+    #: TransformerBridge rows: the error against an independent Hugging Face forward, and its bound.
+    reference_rel_err: float | None = None
+    reference_tolerance: float | None = None
     generate_ok: bool | None = None
     greedy_agreement: float | None = None
     cache_dtype: str | None = None
@@ -165,8 +168,8 @@ def render(report: Report, console: Console) -> None:
         console.print(
             f"Control: a frozen cache (it drops every past token) on {control['model']} "
             f"{control['dtype']} gives max rel err {control['max_rel_err']:.2f}, "
-            f"{control['max_rel_err'] / control['tolerance']:.0f}x the tolerance: the "
-            f"comparison sees a broken cache.",
+            f"{control['max_rel_err'] / control['loosest_tolerance']:.0f}x the loosest "
+            f"tolerance of this run: the comparison sees a broken cache.",
             highlight=False,
         )
     for note in report.not_checked:
@@ -182,7 +185,18 @@ class ReportPathError(ValueError):
 
 
 def check_writable(path: Path) -> None:
-    """Raise :class:`ReportPathError` when ``path`` cannot be written; called before any check."""
+    """Raise :class:`ReportPathError` when ``path`` cannot be written; called before any check.
+
+    A symbolic link is followed to where it points, as writing will: one pointing into a folder
+    that does not exist is refused here, not after the run.
+    """
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.parent.is_dir():
+            raise ReportPathError(
+                f"--json {path}: a symbolic link to {target}, whose folder does not exist"
+            )
+        path = target
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise ReportPathError(f"--json {path}: is a folder; give a file name such as {path}/x.json")

@@ -307,6 +307,8 @@ def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
         architecture=worst.architecture,
         tolerance=tolerance,
         max_rel_err=worst.max_rel_err,
+        reference_rel_err=max(run.reference_rel_err for run in runs),
+        reference_tolerance=bridge.REFERENCE_TOLERANCES.get(dtype, tolerance),
         generate_ok=True,
         greedy_agreement=sum(run.agreement for run in runs) / len(runs),
         expected_cache_heads=worst.expected_cache_heads,
@@ -318,12 +320,18 @@ def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
     # Written as "not <=" so that a NaN error fails too.
     if not worst.max_rel_err <= tolerance:
         problem = (
-            f"cached generate's logits differ from Hugging Face's uncached forward by "
+            f"cached generate's logits differ from the bridge's uncached forward by "
             f"{worst.max_rel_err:.2e} (relative, batch of {worst.batch}), above the "
             f"{result.dtype} tolerance {tolerance:.0e}"
         )
         diagnosis = None if safelens_tl.is_active() else bridge.cache_argument_diagnosis()
         problems.append(f"{problem}: {diagnosis}" if diagnosis else problem)
+    reference_bound = result.reference_tolerance or tolerance
+    if not (result.reference_rel_err or 0.0) <= reference_bound:
+        problems.append(
+            f"cached generate's logits differ from Hugging Face's own uncached forward by "
+            f"{result.reference_rel_err:.2e} (relative), above {reference_bound:.0e}"
+        )
     for run in runs:
         problems.extend(_bridge_cache_problems(run, dtype, device))
     first = runs[0]
@@ -377,13 +385,14 @@ def _control(dtypes: Sequence[torch.dtype]) -> dict[str, Any] | None:
             error = checks.frozen_cache_control(model)
     except Exception:
         return None
-    loosest = max(tolerance_for(dtype) for dtype in dtypes)
     return {
         "model": "gpt2-like",
         "dtype": "float32",
         "device": "cpu",
         "max_rel_err": error,
-        "tolerance": loosest,
+        # The control runs in float32: its own tolerance, and the loosest one of the run.
+        "tolerance": tolerance_for(torch.float32),
+        "loosest_tolerance": max(tolerance_for(dtype) for dtype in dtypes),
     }
 
 

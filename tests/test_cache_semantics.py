@@ -1,0 +1,166 @@
+"""What users can observe of a patched cache entry behaves as stock's (real TL entry classes).
+
+Snapshots of ``past_keys`` stay independent of the live cache, gradients survive a later no-grad
+append, pickles and deep copies hold plain tensors of exactly the cached length, and a plan made
+by ``generate`` never holds much more than stock holds at the same moment.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import kv_storage
+from tests.conftest import LAYOUT, make_cfg
+
+HEADS, D_HEAD = 2, 4
+
+
+def step(positions: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys and values ``[1, positions, HEADS, D_HEAD]``."""
+    return torch.randn(1, positions, HEADS, D_HEAD), torch.randn(1, positions, HEADS, D_HEAD)
+
+
+def filled(patched: bool, positions: tuple[int, ...] = (3, 1)) -> Any:
+    """An entry of the installed release after appends of ``positions`` (no grad)."""
+    if patched:
+        safelens_tl.activate()
+    else:
+        safelens_tl.deactivate()
+    entry = LAYOUT.entry_class.init_cache_entry(make_cfg(n_heads=HEADS, d_head=D_HEAD), "cpu", 1)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for count in positions:
+            entry.append(*step(count))
+    return entry
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_a_snapshot_does_not_change_when_the_live_cache_is_edited(patched: bool) -> None:
+    entry = filled(patched)
+    clean = entry.past_keys
+    before = clean.clone()
+    with torch.no_grad():
+        entry.append(*step())
+    entry.past_keys[:, 2] = 0  # activation patching on the live cache
+    assert torch.equal(clean, before)
+    assert torch.count_nonzero(entry.past_keys[:, 2]) == 0
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_editing_an_old_tensor_does_not_change_the_live_cache(patched: bool) -> None:
+    entry = filled(patched)
+    with torch.no_grad():
+        old_keys, _ = entry.append(*step())
+        entry.append(*step())
+    live = entry.past_keys.clone()
+    old_keys[:, 0] = 0
+    assert torch.equal(entry.past_keys, live)
+
+
+def test_a_slice_of_a_snapshot_is_kept_apart_too(patched: Any) -> None:
+    entry = filled(True)
+    prefix = entry.past_values[:, :2]  # a view of the cache's buffer, not the view itself
+    before = prefix.clone()
+    with torch.no_grad():
+        entry.append(*step())
+    entry.past_values.mul_(0)
+    assert torch.equal(prefix, before)
+
+
+def test_nothing_held_means_writing_in_place(patched: Any) -> None:
+    """The copy-on-write is only for held views: generate's appends stay in the same buffer."""
+    entry = filled(True, positions=(3,))
+    storage = entry.__dict__["_safelens_storage"]
+    with torch.no_grad():
+        for _ in range(storage.capacity - 3):
+            entry.append(*step())
+    assert entry.__dict__["_safelens_storage"] is storage
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_backward_works_after_a_no_grad_append(patched: bool) -> None:
+    entry = filled(patched)
+    weight = torch.randn(entry.past_keys.shape, requires_grad=True)
+    loss = (entry.past_keys * weight).sum()
+    with torch.no_grad():
+        entry.append(*step())
+    loss.backward()  # stock: fine; an in-place write would bump the saved view's version
+    assert weight.grad is not None
+    assert torch.equal(weight.grad, entry.past_keys[:, : weight.shape[1]])
+
+
+def _pickled(patched: bool) -> bytes:
+    return pickle.dumps(filled(patched, positions=(5, 1, 1)))
+
+
+def test_a_pickle_is_what_stock_would_write() -> None:
+    stock, patched = _pickled(False), _pickled(True)
+    assert len(patched) == len(stock)
+    assert b"safelens" not in patched
+    loaded = pickle.loads(patched)
+    assert loaded.past_keys.shape == (1, 7, HEADS, D_HEAD) and loaded.past_keys.is_contiguous()
+    assert torch.equal(loaded.past_keys, pickle.loads(stock).past_keys)
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, copy.copy])
+def test_copies_are_independent_and_exact(patched: Any, duplicate: Any) -> None:
+    entry = filled(True, positions=(5, 1))
+    twin = duplicate(entry)
+    assert torch.equal(twin.past_keys, entry.past_keys)
+    with torch.no_grad():
+        twin.append(*step())
+        entry.append(*step())
+    assert twin.past_keys.shape[1] == entry.past_keys.shape[1] == 7
+    assert not torch.equal(twin.past_keys[:, 6], entry.past_keys[:, 6])
+
+
+def test_a_pickle_loads_where_safelens_tl_is_absent(tmp_path: Path) -> None:
+    path = tmp_path / "entry.pkl"
+    path.write_bytes(_pickled(True))
+    code = textwrap.dedent(
+        f"""
+        import pickle, sys
+        sys.modules["safelens_tl"] = None  # as if not installed: importing it fails
+        entry = pickle.loads(open({str(path)!r}, "rb").read())
+        print(tuple(entry.past_keys.shape), type(entry).__name__)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"SAFELENS_TL_AUTOPATCH": "0", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:4] == ["(1,", "7,", f"{HEADS},", f"{D_HEAD})"]
+
+
+@pytest.mark.parametrize("ahead", [30_000, 100])
+def test_a_plan_never_holds_much_more_than_stock(patched: Any, ahead: int) -> None:
+    """``generate(max_new_tokens=30000)`` stopping after a few tokens (EOS): at each step the
+    cache holds at most max(1.25 x, + PLAN_STEP positions) of what stock holds then."""
+    entry = LAYOUT.entry_class.init_cache_entry(
+        make_cfg(n_heads=HEADS, d_head=D_HEAD, n_ctx=100_000), "cpu", 1
+    )
+    capacities = []
+    with torch.no_grad(), kv_storage.reserve_ahead(ahead):
+        entry.append(*step(40))  # the prompt
+        for _ in range(min(ahead, 300)):
+            entry.append(*step())
+            length = entry.past_keys.shape[1]
+            capacity = entry.__dict__["_safelens_storage"].capacity
+            assert capacity <= max(length * 5 // 4, length + kv_storage.PLAN_STEP), length
+            capacities.append(capacity)
+    if ahead == 100:  # a plan within reach ends exactly at the planned length
+        assert capacities[-1] == 40 + 100
