@@ -46,7 +46,8 @@ class Sizes:
     long: tuple[int, int, int]
     long_n_ctx: int
     memory_runs: int  # fresh processes per variant; 0: measure in this process (quick)
-    memory: tuple[tuple[str, int, int, int], ...]  # label, prompt, new tokens, batch
+    # label, prompt, new tokens (max_new_tokens), batch, EOS after this many tokens (0: none)
+    memory: tuple[tuple[str, int, int, int, int], ...]
 
 
 FULL = Sizes(
@@ -60,10 +61,24 @@ FULL = Sizes(
     1024,
     5,
     # The long context's peak is its prompt's attention; the long generation's is the cache.
-    (("long context", 640, 160, 4), ("long generation", 32, 480, 8)),
+    # Early EOS: max_new_tokens 960, EOS at the 3rd token; what was planned must not be held.
+    (
+        ("long context", 640, 160, 4, 0),
+        ("long generation", 32, 480, 8, 0),
+        ("early EOS", 32, 960, 1, 3),
+    ),
 )
 QUICK = Sizes(
-    (32, 128), 1, (1, 1), 2, 8, (4, 6, 1), (24, 8, 2), 64, 0, (("long context", 24, 8, 2),)
+    (32, 128),
+    1,
+    (1, 1),
+    2,
+    8,
+    (4, 6, 1),
+    (24, 8, 2),
+    64,
+    0,
+    (("long context", 24, 8, 2, 0), ("early EOS", 8, 48, 1, 3)),
 )
 
 
@@ -324,32 +339,47 @@ def _proc_status(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
-def generation_rise(model: Any, tokens: torch.Tensor, new: int, on: bool) -> int:
+def _stop_token(model: Any, tokens: torch.Tensor, after: int) -> int:
+    """The token greedy generation produces at step ``after``: as EOS, it stops it there."""
+    generated = model.generate(
+        tokens, max_new_tokens=after, do_sample=False, stop_at_eos=False, verbose=False
+    )
+    return int(generated[0, -1])
+
+
+def generation_rise(
+    model: Any, tokens: torch.Tensor, new: int, on: bool, stop_after: int = 0
+) -> int:
     """Bytes by which one generation raises this process's peak resident memory (Linux).
 
     Writing ``5`` to ``/proc/self/clear_refs`` resets the peak (``VmHWM``) to the current RSS just
     before ``generate``; the peak afterwards minus the RSS before is what the generation needed.
+    ``stop_after``: make the token generated at that step the EOS token (an early stop).
     """
+    stop: dict[str, Any] = {"stop_at_eos": False}
+    if stop_after:
+        stop = {"stop_at_eos": True, "eos_token_id": _stop_token(model, tokens, stop_after)}
     with patched(on):
         model.generate(tokens, max_new_tokens=2, do_sample=False, verbose=False)  # warm-up
         gc.collect()
         before = _proc_status("VmRSS")
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
-        model.generate(
-            tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-        )
+        model.generate(tokens, max_new_tokens=new, do_sample=False, verbose=False, **stop)
         return _proc_status("VmHWM") - before
 
 
-def memory_child(variant: str, prompt: int, new: int, batch: int, n_ctx: int) -> None:
+def memory_child(
+    variant: str, prompt: int, new: int, batch: int, n_ctx: int, stop_after: int
+) -> None:
     """Print (JSON) :func:`generation_rise` for one variant, in this fresh process.
 
     Started with ``MALLOC_MMAP_THRESHOLD_`` low, so that freed tensor memory goes straight back to
     the system and RSS follows live memory rather than what glibc keeps for reuse.
     """
     model = long_model(n_ctx, wide=True)
-    rise = generation_rise(model, _tokens(model, prompt, batch), new, variant == "patched")
+    tokens = _tokens(model, prompt, batch)
+    rise = generation_rise(model, tokens, new, variant == "patched", stop_after)
     print(json.dumps({"variant": variant, "rise": rise}))
 
 
@@ -367,25 +397,29 @@ def bench_memory(sizes: Sizes, results: Results) -> None:
         "SAFELENS_TL_AUTOPATCH": "0",
         "HF_HUB_OFFLINE": "1",
     }
-    for label, prompt, new, batch in sizes.memory:
+    for label, prompt, new, batch, stop_after in sizes.memory:
         rises: dict[str, list[int]] = {"stock": [], "patched": []}
         if not sizes.memory_runs:  # quick: same measurement in this process, no fresh start
             model = long_model(sizes.long_n_ctx, wide=True)
             tokens = _tokens(model, prompt, batch)
             for variant in rises:
-                rises[variant].append(generation_rise(model, tokens, new, variant == "patched"))
+                on = variant == "patched"
+                rises[variant].append(generation_rise(model, tokens, new, on, stop_after))
         for _ in range(sizes.memory_runs):
             for variant in rises:
                 command = [sys.executable, __file__, "--threads", str(torch.get_num_threads())]
                 command += ["--memory-child", variant]
-                command += [str(prompt), str(new), str(batch), str(sizes.long_n_ctx)]
+                numbers = (prompt, new, batch, sizes.long_n_ctx, stop_after)
+                command += [str(number) for number in numbers]
                 done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
                 rises[variant].append(json.loads(done.stdout.strip().splitlines()[-1])["rise"])
         row: dict[str, Any] = {"shape": label, "prompt": prompt, "new": new, "batch": batch}
+        row["stop_after"] = stop_after
         for variant, values in rises.items():
             row[variant] = float(sorted(values)[len(values) // 2])
         row["runs"] = sizes.memory_runs
-        row["cache_bytes"] = float(cache_bytes(prompt + new - 1, batch))
+        generated = stop_after or new
+        row["cache_bytes"] = float(cache_bytes(prompt + generated - 1, batch))
         results.memory.append(row)
 
 
@@ -530,9 +564,10 @@ def report(results: Results) -> None:
         table.add_column("final cache", justify="right")
         mib = 1024 * 1024
         for row in results.memory:
+            stops = f" (EOS at {row['stop_after']})" if row.get("stop_after") else ""
             table.add_row(
                 str(row["shape"]),
-                f"{row['prompt']}+{row['new']}",
+                f"{row['prompt']}+{row['new']}{stops}",
                 str(row["batch"]),
                 f"{row['stock'] / mib:.2f}",
                 f"{row['patched'] / mib:.2f}",
@@ -560,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads (default: torch's, the core count)"
     )
-    parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -55,6 +55,24 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _OWN_TENSORS = 3
 
 
+class _Holder:
+    value: object
+
+
+def _references_added_by_getrefcount() -> int:
+    """How many references ``sys.getrefcount(obj.attribute)`` itself adds to what it counts.
+
+    One up to Python 3.13; newer interpreters may lend the argument without a reference of its
+    own. Measured once, on the very form :meth:`KVStorage.shared_outside` uses.
+    """
+    holder = _Holder()
+    holder.value = object()
+    return sys.getrefcount(holder.value) - 1  # minus the holder's own reference
+
+
+_GETREFCOUNT_OWN = _references_added_by_getrefcount()
+
+
 def _other_tensors_share(buffer: torch.Tensor) -> bool:
     if _storage_use_count is not None:
         # + 1: the storage object untyped_storage() creates for the call.
@@ -184,13 +202,13 @@ class KVStorage:
         ``entry_state`` is the entry's ``__dict__``, whose ``past_keys``/``past_values`` are the
         cache's own references. Call it before taking any other reference to the views.
         """
-        # References to a view we know of: our attribute, getrefcount's argument, and the entry's
+        # References to a view we know of: our attribute, getrefcount's own, and the entry's
         # attribute while it still holds that view. A caller's variable, a snapshot, autograd's
         # saved tensor: each adds one.
-        known = 2 + (entry_state.get("past_keys") is self.keys_view)
+        known = 1 + _GETREFCOUNT_OWN + (entry_state.get("past_keys") is self.keys_view)
         if sys.getrefcount(self.keys_view) > known:
             return True
-        known = 2 + (entry_state.get("past_values") is self.values_view)
+        known = 1 + _GETREFCOUNT_OWN + (entry_state.get("past_values") is self.values_view)
         if sys.getrefcount(self.values_view) > known:
             return True
         return _other_tensors_share(self.keys) or _other_tensors_share(self.values)

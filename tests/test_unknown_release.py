@@ -99,8 +99,10 @@ def test_locate_refuses_an_unknown_release_by_name() -> None:
     with pytest.raises(targets.UnsupportedLayoutError, match=r"9\.0\.0") as raised:
         targets.locate("9.0.0")
     assert "nothing was patched" in str(raised.value)
-    with pytest.raises(targets.UnsupportedLayoutError, match="not-a-version"):
-        targets.locate("not-a-version")
+    # A version that names no release at all is no reason to refuse: the classes decide.
+    layout = targets.locate("not-a-version")
+    assert layout.known is LAYOUT.known
+    assert layout.note is not None and "'not-a-version'" in layout.note
 
 
 def test_changed_append_signature_is_refused() -> None:
