@@ -37,13 +37,28 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 CACHE_ARGUMENT_NAMES = {"past_key_values", "past_key_value", "layer_past", "cache"}
 
 
+@pytest.mark.parametrize(
+    "active",
+    [
+        True,
+        pytest.param(
+            False,
+            marks=pytest.mark.skipif(RENAMED, reason="stock is wrong with this transformers"),
+        ),
+    ],
+    ids=["patched", "stock"],
+)
 @pytest.mark.parametrize("name", MODELS)
 def test_cached_generate_equals_the_greedy_uncached_loop_in_float32(
-    patched: safelens_tl.activation.Status, name: str
+    name: str, active: bool
 ) -> None:
+    """Patched everywhere; stock too where transformers passes ``past_key_values`` (<= 5.23)."""
+    if active:
+        safelens_tl.activate()
     for run in bridge.run_bridge(name, torch.float32):
         assert torch.equal(run.cached_tokens, run.uncached_tokens), (name, run.batch)
         assert run.max_rel_err <= checks.TOLERANCES[torch.float32], (name, run.batch)
+        assert run.reference_rel_err <= bridge.REFERENCE_TOLERANCES[torch.float32]
 
 
 @pytest.mark.parametrize("conversion", bridge.CONVERSIONS)
@@ -59,6 +74,7 @@ def test_cached_generate_replays_against_hugging_face_in_half_precision(
     for batch, prompts in bridge.BATCHES.items():
         run = bridge.run_batch(model, reference, prompts)
         assert run.max_rel_err <= checks.TOLERANCES[dtype], (batch, run.max_rel_err)
+        assert run.reference_rel_err <= bridge.REFERENCE_TOLERANCES[dtype], batch
         assert run.cache_dtype == dtype and run.cache_device == torch.device("cpu")
         assert run.cache_heads == run.expected_cache_heads
 
