@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 from safelens_tl import __version__
+
+#: When the command started: reports give the whole wall time, imports included.
+STARTED = time.perf_counter()
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

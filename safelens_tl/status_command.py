@@ -152,7 +152,8 @@ def render(report: dict[str, Any]) -> None:
         # TransformerLens imports these lazily; their patches apply at that first import.
         waiting = ", ".join(activation["pending"])
         table.add_row("patched when imported", escape(waiting))
-    console = Console(file=sys.stdout)
+    # Piped or logged, a table at rich's default 80 columns would split class paths mid-word.
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200)
     console.print(table)
     for note in activation["notes"]:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
@@ -161,8 +162,18 @@ def render(report: dict[str, Any]) -> None:
 
 
 def run(arguments: argparse.Namespace) -> int:
-    """Print the report (``--json`` for JSON); exit 1 when :func:`problems` finds any."""
-    report = collect()
+    """Print the report (``--json`` for JSON); exit 1 when :func:`problems` finds any.
+
+    Importing TransformerLens takes seconds: on a terminal a spinner on stderr says so.
+    """
+    from rich.console import Console
+
+    progress = Console(stderr=True)
+    if progress.is_terminal:
+        with progress.status("importing transformer_lens, as any program of yours would"):
+            report = collect()
+    else:
+        report = collect()
     found = problems(report)
     if arguments.json:
         print(json.dumps({**report, "problems": found}, indent=2))

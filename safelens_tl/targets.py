@@ -63,6 +63,10 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
     ),
 )
 
+#: TransformerLens's own converters of Hugging Face weights to ``HookedTransformer`` state dicts
+#: (``convert_llama_weights``, ``convert_gpt2_weights``, ...), TransformerLens 2.x and 3.x.
+WEIGHT_CONVERSIONS_MODULE = "transformer_lens.pretrained.weight_conversions"
+
 #: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
 #: lazily (about 2 s), so its patches wait for that import instead of forcing it.
 BRIDGE_MODULE = "transformer_lens.model_bridge"

@@ -25,6 +25,7 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
     plan = {
         "enabled": Child(command=command),
         "opted_out": Child(command=command, env={_startup.ENV_VAR: "0"}),
+        "table": Child(command=(str(SCRIPT), "status")),
     }
     with started(plan, tmp_path_factory.mktemp("status")) as futures:
         yield futures
@@ -127,3 +128,14 @@ def test_hook_files_are_the_installed_pth() -> None:
     assert files, "no safelens_tl.pth found in any site-packages folder"
     for file in files:
         assert "import safelens_tl._startup" in Path(file).read_text()
+
+
+def test_piped_table_keeps_each_class_path_on_one_line(
+    children: Results, patched: safelens_tl.activation.Status
+) -> None:
+    """Piped (as in a log), the table is not cut at 80 columns in the middle of a path."""
+    completed = children["table"].result()
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    for target in patched.patched:
+        if not target.startswith(targets.BRIDGE_MODULE):  # those wait for the bridge's import
+            assert target in completed.stdout, target

@@ -74,6 +74,17 @@ def verify(
     return Run(done.returncode, done.stdout, done.stderr, report)
 
 
+def _local_checkpoint(destination: Path) -> Path:
+    """A tiny Llama checkpoint folder (config, weights, tokenizer), as a user would have one. Its
+    name contains "llama", which trips TransformerLens's own config conversion of local folders."""
+    import shutil
+
+    from safelens_tl.verify import bridge
+
+    shutil.copytree(bridge.model_folder("llama-like-gqa"), destination)
+    return destination
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The temporary-files folder of the default run."""
@@ -91,6 +102,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, scratch: Path) -> dict[str, F
             verify, "--model", "no-such-org/no-such-model", quiet_warnings=True
         ),
     }
+    checkpoint = _local_checkpoint(folder / "my-llama-checkpoint")
+    started["folder"] = pool.submit(
+        verify, "--model", str(checkpoint), json_path=folder / "folder.json"
+    )
     if RELEASE == "3.0.0" or BRIDGE_BROKEN:
         started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
     pool.shutdown(wait=False)
@@ -233,3 +248,49 @@ def test_unwritable_json_path_is_one_line_and_exit_2(tmp_path: Path) -> None:
     run = verify(json_path=missing_folder, quiet_warnings=True)
     _assert_one_clear_line(run, "--json", str(missing_folder), "does not exist")
     assert not missing_folder.exists()
+
+
+def test_a_usage_error_comes_before_torch_is_imported() -> None:
+    """A typo answers at once: nothing heavy is imported to refuse it."""
+    code = (
+        "import sys\n"
+        "from safelens_tl.cli import main\n"
+        "code = main(['verify', '--dtype', 'float8', '--device', 'cpu'])\n"
+        "print(code, 'torch' in sys.modules, 'transformer_lens' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert "unknown dtype 'float8'" in done.stderr
+
+
+def test_the_timing_columns_are_labelled_indicative(runs: dict[str, Future[Run]]) -> None:
+    run = runs["default"].result()
+    assert "speed-up*" in run.stdout
+    assert "* indicative only" in run.stdout
+
+
+def test_a_local_checkpoint_folder_is_verified(runs: dict[str, Future[Run]]) -> None:
+    """``--model FOLDER``: converted to a HookedTransformer on 2.x/3.x, booted through
+    TransformerBridge where there is no HookedTransformer (4.x)."""
+    run = runs["folder"].result()
+    assert run.code == 0, run.stdout + run.stderr
+    assert run.report is not None and run.report["passed"]
+    kinds = {check["kind"] for check in run.report["checks"]}
+    assert kinds == ({"generate"} if HAS_HOOKED_TRANSFORMER else {"bridge"})
+    for check in run.report["checks"]:
+        assert check["model"].startswith("my-llama-checkpoint")
+        assert check["max_rel_err"] <= check["tolerance"]
+        assert check["cache_heads"] == check["expected_cache_heads"] == 2
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="conversion is for 2.x/3.x")
+def test_an_unsupported_checkpoint_architecture_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"})
+    )
+    run = verify("--model", str(folder), quiet_warnings=True)
+    _assert_one_clear_line(run, "BertForMaskedLM", "LlamaForCausalLM, GPT2LMHeadModel")

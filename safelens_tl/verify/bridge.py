@@ -121,7 +121,14 @@ def model_folder(name: str = "llama-like-gqa") -> Path:
 
 
 def boot(name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot") -> Any:
-    """Boot ``name`` as a TransformerBridge in ``dtype`` on ``device``.
+    """Boot the built-in model ``name`` as a TransformerBridge; see :func:`boot_folder`."""
+    return boot_folder(model_folder(name), dtype, device, conversion)
+
+
+def boot_folder(
+    folder: str | Path, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+) -> Any:
+    """Boot the Hugging Face checkpoint in ``folder`` as a TransformerBridge in ``dtype``.
 
     ``conversion``: ``"boot"`` boots in ``dtype``; ``"half"`` boots in float32 and calls
     ``.half()`` / ``.bfloat16()`` / ``.float()``; ``"to"`` boots in float32, then ``.to(dtype)``.
@@ -132,9 +139,7 @@ def boot(name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "
         raise ValueError(f"conversion must be one of {CONVERSIONS}; received {conversion!r}")
     first = dtype if conversion == "boot" else torch.float32
     with no_progress_bars(), contextlib.redirect_stdout(None):
-        bridge = TransformerBridge.boot_transformers(
-            str(model_folder(name)), dtype=first, device=device
-        )
+        bridge = TransformerBridge.boot_transformers(str(folder), dtype=first, device=device)
         if conversion == "to":
             bridge = bridge.to(dtype)
         elif conversion == "half":
@@ -144,12 +149,17 @@ def boot(name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "
 
 
 def reference_model(name: str, dtype: torch.dtype, device: str = "cpu") -> Any:
-    """The same checkpoint as a plain Hugging Face model: no TransformerLens involved."""
+    """The built-in checkpoint ``name`` as a plain Hugging Face model (no TransformerLens)."""
+    return reference_from(model_folder(name), dtype, device)
+
+
+def reference_from(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> Any:
+    """The checkpoint in ``folder`` as a plain Hugging Face model: no TransformerLens involved."""
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
     with no_progress_bars():
-        model = auto.from_pretrained(str(model_folder(name)), dtype=dtype)
+        model = auto.from_pretrained(str(folder), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -277,9 +287,16 @@ def _relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
 def run_bridge(
     name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
 ) -> list[BridgeRun]:
-    """Boot ``name`` (see :func:`boot`) and run every batch of :data:`BATCHES` on it."""
-    bridge = boot(name, dtype, device, conversion)
-    reference = reference_model(name, dtype, device)
+    """Boot the built-in ``name`` (see :func:`boot`) and run every batch of :data:`BATCHES`."""
+    return run_folder(model_folder(name), dtype, device, conversion)
+
+
+def run_folder(
+    folder: str | Path, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+) -> list[BridgeRun]:
+    """Boot the checkpoint in ``folder`` and run every batch of :data:`BATCHES` on it."""
+    bridge = boot_folder(folder, dtype, device, conversion)
+    reference = reference_from(folder, dtype, device)
     return [run_batch(bridge, reference, prompts) for prompts in BATCHES.values()]
 
 

@@ -2,13 +2,17 @@
 
 Usage errors (a bad ``--dtype`` or ``--device``, a model that cannot be loaded, a ``--json`` path
 that cannot be written) print one line on stderr and exit 2, before any check runs where possible.
+What can be judged from the text alone is judged before torch is imported (seconds, on a laptop):
+a typo answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +44,9 @@ def register(subcommands: Any) -> None:
     )
     parser.add_argument(
         "--model",
-        metavar="NAME",
-        help="check this model, loaded with HookedTransformer.from_pretrained(NAME)",
+        metavar="NAME_OR_FOLDER",
+        help="check this model: a TransformerLens model name (HookedTransformer.from_pretrained), "
+        "or a local Hugging Face checkpoint folder (config.json, weights, tokenizer), offline",
     )
     parser.add_argument(
         "--dtype",
@@ -74,14 +79,15 @@ def _split_list(values: list[str] | None) -> list[str]:
     return [item for item in items if item]
 
 
-def parse_dtypes(values: list[str] | None) -> list[torch.dtype]:
-    """``["float16,bfloat16"]`` -> dtypes, in order, without repeats; raise :class:`UsageError`."""
-    import torch
+def dtype_names(values: list[str] | None) -> list[str]:
+    """``["fp16,bfloat16"]`` -> ``["float16", "bfloat16"]``, in order, without repeats.
 
+    Needs no torch; raises :class:`UsageError`.
+    """
     names = _split_list(values)
     if values is not None and not names:
         raise UsageError(f"--dtype: no dtype given; expected some of {', '.join(DTYPE_NAMES)}")
-    chosen: list[torch.dtype] = []
+    chosen: list[str] = []
     for raw in names or ["float16", "bfloat16"]:
         name = _ALIASES.get(raw.lower().removeprefix("torch."), raw.lower().removeprefix("torch."))
         if name not in DTYPE_NAMES:
@@ -89,16 +95,24 @@ def parse_dtypes(values: list[str] | None) -> list[torch.dtype]:
                 f"--dtype: unknown dtype {raw!r}; expected a comma-separated list of "
                 f"{', '.join(DTYPE_NAMES)} (e.g. --dtype float16,bfloat16)"
             )
-        dtype = getattr(torch, name)
-        if dtype not in chosen:
-            chosen.append(dtype)
+        if name not in chosen:
+            chosen.append(name)
     return chosen
 
 
-def parse_devices(values: list[str] | None) -> list[str] | None:
-    """Validated device names, or ``None`` for the default; raise :class:`UsageError`."""
+def parse_dtypes(values: list[str] | None) -> list[torch.dtype]:
+    """``["float16,bfloat16"]`` -> dtypes, in order, without repeats; raise :class:`UsageError`."""
     import torch
 
+    return [getattr(torch, name) for name in dtype_names(values)]
+
+
+_DEVICE = re.compile(r"(?P<type>[a-z]+)(?::(?P<index>\d+))?")
+
+
+def device_names(values: list[str] | None) -> list[str] | None:
+    """Device names that are well formed (``cpu``, ``cuda``, ``cuda:N``), or ``None`` for the
+    default. Needs no torch; raises :class:`UsageError`."""
     names = _split_list(values)
     if values is None:
         return None
@@ -106,22 +120,29 @@ def parse_devices(values: list[str] | None) -> list[str] | None:
         raise UsageError("--device: no device given; expected e.g. cpu or cuda")
     devices: list[str] = []
     for name in names:
-        try:
-            device = torch.device(name)
-        except RuntimeError as error:
-            raise UsageError(f"--device: {name!r} is not a device ({error})") from error
-        if device.type not in ("cpu", "cuda"):
+        found = _DEVICE.fullmatch(name.strip().lower())
+        if found is None or found["type"] not in ("cpu", "cuda"):
             raise UsageError(f"--device: {name!r} is not supported; expected cpu or cuda[:N]")
-        if device.type == "cpu" and device.index not in (None, 0):
+        if found["type"] == "cpu" and found["index"] not in (None, "0"):
             raise UsageError(f"--device: {name!r}: there is one CPU device; use cpu")
+        if name not in devices:
+            devices.append(name)
+    return devices
+
+
+def parse_devices(values: list[str] | None) -> list[str] | None:
+    """:func:`device_names`, then each CUDA device checked against what torch sees."""
+    import torch
+
+    devices = device_names(values)
+    for name in devices or []:
+        device = torch.device(name)
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0:
                 raise UsageError(f"--device: {name!r} requested but torch sees no GPU here")
             if device.index is not None and device.index >= count:
                 raise UsageError(f"--device: {name!r} requested but torch sees {count} GPU(s)")
-        if name not in devices:
-            devices.append(name)
     return devices
 
 
@@ -159,18 +180,25 @@ def _usage_error(message: str) -> int:
 
 def run(arguments: argparse.Namespace) -> int:
     """Run ``verify``; return 0 when every check passed, 1 when one failed, 2 on usage errors."""
+    from safelens_tl.verify import report as report_module
+
+    try:  # first what the text alone decides: no torch yet
+        dtype_names(arguments.dtype)
+        device_names(arguments.device)
+        if arguments.json is not None:
+            report_module.check_writable(arguments.json)
+    except (UsageError, report_module.ReportPathError) as error:
+        return _usage_error(str(error))
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from safelens_tl.verify import report as report_module
     from safelens_tl.verify import runner
 
     try:
         dtypes = parse_dtypes(arguments.dtype)
         devices = parse_devices(arguments.device)
-        if arguments.json is not None:
-            report_module.check_writable(arguments.json)
-    except (UsageError, report_module.ReportPathError) as error:
+    except UsageError as error:
         return _usage_error(str(error))
 
     import safelens_tl
@@ -211,6 +239,9 @@ def run(arguments: argparse.Namespace) -> int:
             return _usage_error(str(error))
     for failure in status.failures:
         report.diagnostics.append(f"activation: {failure}")
+    from safelens_tl import cli
+
+    report.seconds = time.perf_counter() - cli.STARTED  # all of it: imports, models, checks
     if arguments.quiet:
         stdout.print(report_module.summary_line(report), highlight=False)
     else:

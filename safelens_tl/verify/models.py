@@ -151,7 +151,8 @@ LLAMA_LIKE: dict[str, Any] = {
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {"gpt2-like": GPT2_LIKE, "llama-like-gqa": LLAMA_LIKE}
 
 
-def _config_class() -> Any:
+def hooked_config_class() -> Any:
+    """``HookedTransformerConfig``; ``RuntimeError`` where the release has none (4.x)."""
     try:
         from transformer_lens import HookedTransformerConfig
     except ImportError as error:  # TransformerLens 4.x removed it
@@ -171,7 +172,7 @@ def build_model(
     """
     from transformer_lens import HookedTransformer
 
-    config_class = _config_class()
+    config_class = hooked_config_class()
     torch.manual_seed(seed)
     cfg = config_class(
         **BUILTIN_MODELS[name],

@@ -113,9 +113,9 @@ def table(report: Report) -> Table:
         result.add_column(column, no_wrap=True)
     result.add_column("greedy agree", justify="right")
     result.add_column("cache", no_wrap=True)
-    result.add_column("ms/tok cached", justify="right")
-    result.add_column("ms/tok uncached", justify="right")
-    result.add_column("speed-up", justify="right")
+    result.add_column("ms/tok cached*", justify="right")
+    result.add_column("ms/tok uncached*", justify="right")
+    result.add_column("speed-up*", justify="right")
     for check in report.checks:
         verdict = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
         agreement = "-" if check.greedy_agreement is None else f"{check.greedy_agreement:.0%}"
@@ -156,6 +156,13 @@ def summary_line(report: Report) -> str:
 def render(report: Report, console: Console) -> None:
     """Print the table, the errors of failed checks, notes, diagnostics and the summary line."""
     console.print(table(report))
+    if any(check.speedup is not None for check in report.checks):
+        console.print(
+            "* indicative only: one cached and one uncached generate of a few tokens on tiny "
+            "models, where per-call overhead dominates; a value under 1x does not mean the "
+            "cache is slow. For speed, see benchmarks/ and docs/performance.md.",
+            highlight=False,
+        )
     for check in report.checks:
         if check.error:
             console.print(

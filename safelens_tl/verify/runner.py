@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -288,19 +289,23 @@ def bridge_label(name: str) -> str:
     return f"{name} [bridge]"
 
 
-def _bridge_check(name: str, dtype: torch.dtype, device: str) -> CheckResult:
-    """TransformerBridge ``name``: cached ``generate`` replayed against Hugging Face."""
+def _bridge_check(
+    label: str, dtype: torch.dtype, device: str, folder: str | None = None
+) -> CheckResult:
+    """A TransformerBridge model: cached ``generate`` replayed against its own uncached forward
+    and Hugging Face's. The built-in model ``label`` unless ``folder`` names a checkpoint."""
     import safelens_tl
     from safelens_tl.verify import bridge
 
-    runs = bridge.run_bridge(name, dtype, device)
+    source = folder if folder is not None else bridge.model_folder(label)
+    runs = bridge.run_folder(source, dtype, device)
     tolerance = tolerance_for(dtype)
     worst = max(runs, key=lambda run: math.inf if math.isnan(run.max_rel_err) else run.max_rel_err)
     cached = sum(run.seconds_cached for run in runs)
     uncached = sum(run.seconds_uncached for run in runs)
     tokens = sum(run.cached_tokens.numel() for run in runs)
     result = CheckResult(
-        model=bridge_label(name),
+        model=bridge_label(label),
         dtype=diagnostics.dtype_name(dtype),
         device=device,
         kind="bridge",
@@ -409,7 +414,7 @@ def builtin_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list
         from safelens_tl.verify import bridge
 
         for name in bridge.BRIDGE_MODELS:
-            check = functools.partial(_bridge_check, name)
+            check = functools.partial(_bridge_check, name)  # dtype, device follow
             label = bridge_label(name)
             tasks.extend(_per_dtype_and_device(label, check, dtypes, devices))
     return tasks
@@ -439,14 +444,29 @@ def verify_builtin(
 
 
 def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
-    """``HookedTransformer.from_pretrained(name)``; raise :class:`ModelLoadError` on any failure."""
+    """``HookedTransformer.from_pretrained(name)``, or the local checkpoint folder ``name``
+    converted with TransformerLens's weight converters; :class:`ModelLoadError` on any failure."""
+    from safelens_tl.verify import local_model
+
     if not _has_hooked_transformer():
         from safelens_tl import targets
 
         raise ModelLoadError(
-            f"--model needs HookedTransformer, which TransformerLens "
-            f"{targets.installed_release()} does not have; run without --model"
+            f"--model {name}: TransformerLens {targets.installed_release()} has no "
+            f"HookedTransformer to load a model name into; give a local Hugging Face checkpoint "
+            f"folder (config.json, weights, tokenizer), which boots through TransformerBridge"
         )
+    if local_model.is_checkpoint_folder(name):
+        try:
+            with quietly():
+                return local_model.load_hooked(name, dtype, device)
+        except local_model.UnsupportedCheckpointError as error:
+            raise ModelLoadError(str(error)) from error
+        except Exception as error:
+            raise ModelLoadError(
+                f"cannot load the checkpoint in {name} ({short_error(error)}); it needs "
+                f"config.json, the weights and the tokenizer files"
+            ) from error
     from transformer_lens import HookedTransformer
 
     try:
@@ -470,18 +490,34 @@ def verify_pretrained(
 
     Raises :class:`ModelLoadError` when the model cannot be loaded.
     """
+    from safelens_tl import targets
+    from safelens_tl.verify import local_model
+
     start = time.perf_counter()
     devices = list(devices) if devices is not None else default_devices()
+    if (
+        not _has_hooked_transformer()
+        and targets.has_bridge()
+        and local_model.is_checkpoint_folder(name)
+    ):
+        label = Path(name).name or name
+        check = functools.partial(_bridge_check, label, folder=name)
+        report = _new_report()
+        report.checks = run_tasks(_per_dtype_and_device(label, check, dtypes, devices), listener)
+        report.not_checked.extend(_device_notes(devices))
+        report.seconds = time.perf_counter() - start
+        return report
     model = load_pretrained(name, dtypes[0], devices[0])
+    label = Path(name).name if local_model.is_checkpoint_folder(name) else name
     tasks = []
     for dtype in dtypes:
         for device in devices:
 
             def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
                 # model.to(dtype) updates cfg.dtype as well; .half() would not.
-                return check_hooked(model.to(dtype).to(device), name)
+                return check_hooked(model.to(dtype).to(device), label)
 
-            tasks.append(_guarded(name, dtype, device, run))
+            tasks.append(_guarded(label, dtype, device, run))
     report = _new_report()
     report.checks = run_tasks(tasks, listener)
     report.not_checked.extend(_device_notes(devices))
