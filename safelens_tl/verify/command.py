@@ -204,7 +204,7 @@ def run(arguments: argparse.Namespace) -> int:
     import safelens_tl
 
     # Logs and CI are not terminals: rich would wrap the table at 80 columns there.
-    stdout = Console() if sys.stdout.isatty() else Console(width=140)
+    stdout = Console() if sys.stdout.isatty() else Console(width=160)
     stderr = Console(stderr=True)
     progress = Progress(
         "[progress.description]{task.description}",
