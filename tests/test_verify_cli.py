@@ -133,6 +133,10 @@ def test_default_run_writes_a_valid_report(runs: dict[str, Future[Run]]) -> None
     assert ("PASSED" if report["passed"] else "FAILED") in run.stdout
     assert "cached against uncached" in run.stdout  # the table's title
     assert report["transformers"]  # its version: the TransformerBridge result depends on it
+    if report["control"] is not None:  # the control runs in float32: its tolerance is float32's
+        assert report["control"]["dtype"] == "float32"
+        assert report["control"]["tolerance"] == report["tolerances"]["float32"]
+        assert report["control"]["loosest_tolerance"] == report["tolerances"]["bfloat16"]
 
 
 def test_default_run_leaves_no_temporary_folders(
