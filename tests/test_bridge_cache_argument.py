@@ -317,3 +317,16 @@ def _child_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "SAFELENS_TL_AUTOPATCH"}
+
+
+def test_the_cache_argument_reads_the_same_from_source_as_from_the_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without importing ``modeling_llama`` (its source is read) the answer is the same."""
+    module_name = targets.REFERENCE_ATTENTION.rpartition(".")[0]
+    importlib.import_module(module_name)
+    names = {bridge_cache.NEW_NAME, bridge_cache.SHIM_OLD_NAME}
+    from_module = bridge_cache._forward_parameters(targets.REFERENCE_ATTENTION) & names
+    monkeypatch.delitem(sys.modules, module_name)
+    from_source = bridge_cache._forward_parameters(targets.REFERENCE_ATTENTION) & names
+    assert from_source == from_module != set()
