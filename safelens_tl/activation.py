@@ -200,11 +200,7 @@ def _install_deferred(batch: patching.DeferredPatches) -> None:
                 )
             )
             patches = []
-        labelled = [
-            patching.Patch(p.owner, p.attribute, p.replacement, plugin=p.plugin or batch.plugin)
-            for p in patches
-        ]
-        failures.extend(_install_each(labelled))
+        failures.extend(_install_each(p.labelled(batch.plugin) for p in patches))
         _publish([*_state.report.failures, *failures])
     _warn(failures)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class _Missing:
@@ -28,6 +28,10 @@ class Patch:
     replacement: object
     plugin: str = field(default="", compare=False)
 
+    def labelled(self, plugin: str) -> Patch:
+        """This patch, credited to ``plugin`` unless it names its plugin already."""
+        return self if self.plugin else replace(self, plugin=plugin)
+
     @property
     def target(self) -> str:
         """Dotted name of the replaced attribute, e.g. ``module.Class.append``."""
@@ -49,6 +53,10 @@ class DeferredPatches:
     module: str
     build: Callable[[], Iterable[object]]
     plugin: str = field(default="", compare=False)
+
+    def labelled(self, plugin: str) -> DeferredPatches:
+        """These patches, credited to ``plugin`` unless they name their plugin already."""
+        return self if self.plugin else replace(self, plugin=plugin)
 
 
 @dataclass(frozen=True)

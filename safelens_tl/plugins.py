@@ -144,15 +144,8 @@ def collect_patches(
                 )
             )
             continue
-        patches.extend(with_source(item, source) for item in received)
+        patches.extend(item.labelled(source) for item in received)
     return patches, failures
-
-
-def with_source(item: Patch | DeferredPatches, source: str) -> Patch | DeferredPatches:
-    """``item`` labelled with the plugin that contributed it, unless it names one already."""
-    if isinstance(item, DeferredPatches):
-        return DeferredPatches(item.module, item.build, plugin=item.plugin or source)
-    return Patch(item.owner, item.attribute, item.replacement, plugin=item.plugin or source)
 
 
 def is_valid_patch(item: object) -> bool:
