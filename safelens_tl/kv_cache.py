@@ -159,23 +159,33 @@ def append(
     self: Any, new_keys: torch.Tensor, new_values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
-    storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
+    state = self.__dict__
+    storage: kv_storage.KVStorage | None = state.get(_STORAGE)
+    # Per-token fast path (every step of generate): try_append accepts only a plain step that the
+    # full path below would also write in place, and changes nothing when it refuses.
+    if (
+        storage is not None
+        and not torch.is_grad_enabled()
+        and not self.frozen
+        and storage.try_append(state, new_keys, new_values)
+    ):
+        keys, values = storage.keys_view, storage.values_view
+        self.past_keys, self.past_values = keys, values
+        return keys, values
+    return _append_checked(self, storage, new_keys, new_values)
+
+
+def _append_checked(
+    self: Any,
+    storage: kv_storage.KVStorage | None,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full append: validation, copy-on-write, dtype and device policy, growth."""
     # Before this function holds any reference to the views: is an earlier view still held
     # elsewhere? Then this step is written to a new buffer (copy-on-write; see kv_storage).
     private = storage is not None and not storage.shared_outside(self.__dict__)
     past_keys, past_values = self.past_keys, self.past_values
-    # Per-token fast path (every step of generate): try_write accepts only what the full
-    # validation below would accept unchanged, and changes nothing when it refuses.
-    if (
-        storage is not None
-        and private
-        and not self.frozen
-        and not torch.is_grad_enabled()
-        and storage.try_write(past_keys, past_values, new_keys, new_values)
-    ):
-        self.past_keys, self.past_values = storage.keys_view, storage.values_view
-        return storage.keys_view, storage.values_view
-
     _validate(self, past_keys, past_values, new_keys, new_values)
     if new_values.dtype != new_keys.dtype or new_values.device != new_keys.device:
         new_values = new_values.to(device=new_keys.device, dtype=new_keys.dtype)

@@ -73,10 +73,20 @@ def _references_added_by_getrefcount() -> int:
 _GETREFCOUNT_OWN = _references_added_by_getrefcount()
 
 
-def _other_tensors_share(buffer: torch.Tensor) -> bool:
+def _storage_of(buffer: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
+    """The buffer's storage object, kept for the buffer's life, and the address the count takes.
+
+    Keeping the object spares a new one per token, and keeps the count steady: torch may or may
+    not keep a storage's Python object alive by itself, and while one exists it is counted.
+    """
+    storage = buffer.untyped_storage()
+    return storage, int(storage._cdata)
+
+
+def _other_tensors_share(buffer: torch.Tensor, address: int) -> bool:
     if _storage_use_count is not None:
-        # + 1: the storage object untyped_storage() creates for the call.
-        return int(_storage_use_count(buffer.untyped_storage()._cdata)) > _OWN_TENSORS + 1
+        # + 1: the storage object kept by _storage_of.
+        return int(_storage_use_count(address)) > _OWN_TENSORS + 1
     return int(buffer._use_count()) > _OWN_TENSORS  # type: ignore[attr-defined]
 
 
@@ -110,7 +120,9 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
     once it has tokenized the input. The first write of each layer (the prompt) is stored exactly,
     and the storage remembers prompt + ``extra_positions``; when the layer needs more room it grows
     towards that total in steps of at most 25% or :data:`PLAN_STEP` positions, and the last step
-    ends exactly at the total (no spare at the end). A short generation reaches it in one step.
+    ends exactly at the total (no spare at the end). A short generation, whose total is within
+    one such step of the prompt, gets its total at the first write: one buffer per layer, never
+    regrown, and never more than one step beyond what stock holds.
 
     Why not reserve the total at once: a generation may stop early (EOS), and ``max_new_tokens``
     can be far larger than what is generated; and the prompt's forward pass is where attention's
@@ -160,8 +172,8 @@ class KVStorage:
     """Buffers ``[batch, heads, capacity, d_head]`` and the views last handed to the entry.
 
     The buffers are head-major; the views handed out are ``[batch, pos, heads, d_head]`` as
-    TransformerLens expects (``transpose`` then ``narrow``, no copy). Head-major is what attention
-    wants: TransformerLens rearranges keys to ``[batch, heads, d_head, pos]`` and values to
+    TransformerLens expects (a strided view, no copy). Head-major is what attention wants:
+    TransformerLens rearranges keys to ``[batch, heads, d_head, pos]`` and values to
     ``[batch, heads, pos, d_head]`` before ``matmul``, and from this layout both are plain strided
     views that ``bmm`` reads directly. From the stock ``[batch, pos, heads, d_head]`` layout (or a
     slice of it) torch must first copy the whole past into a contiguous tensor, every token,
@@ -180,15 +192,33 @@ class KVStorage:
     values_by_position: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # The buffers seen as [batch, capacity, heads, d_head], made once per buffer, so that a
-        # token costs one view (narrow) per tensor, no more than a position-major buffer would.
+        # The buffers seen as [batch, capacity, heads, d_head], for the general (slow) path.
         self.keys_by_position = self.keys.transpose(1, 2)
         self.values_by_position = self.values.transpose(1, 2)
+        # What the per-token path compares and builds with, read once per buffer: a tensor's
+        # shape, dtype or device costs a fresh Python object per read, and a view made with
+        # as_strided from the buffer itself costs about half a narrow() of its transposed view.
+        keys, values = self.keys, self.values
+        self._capacity = int(keys.size(2))
+        self._key_layout = (int(keys.size(0)), int(keys.size(1)), int(keys.size(3)))
+        self._value_layout = (int(values.size(0)), int(values.size(1)), int(values.size(3)))
+        self._key_strides = self.keys_by_position.stride()
+        self._value_strides = self.values_by_position.stride()
+        self._key_position_stride = self._key_strides[1]
+        self._value_position_stride = self._value_strides[1]
+        self._dtype, self._values_dtype = keys.dtype, values.dtype
+        self._device, self._values_device = keys.device, values.device
+        # Where the per-token path never applies: meta buffers, and inference tensors outside
+        # inference mode (checked per call, since the mode can change between appends).
+        self._meta = keys.is_meta or values.is_meta
+        self._inference = keys.is_inference() or values.is_inference()
+        self._keys_storage, self._keys_address = _storage_of(keys)
+        self._values_storage, self._values_address = _storage_of(values)
 
     @property
     def capacity(self) -> int:
         """Positions the buffers can hold without growing."""
-        return int(self.keys.size(2))
+        return self._capacity
 
     @property
     def reserved_bytes(self) -> int:
@@ -211,7 +241,9 @@ class KVStorage:
         known = 1 + _GETREFCOUNT_OWN + (entry_state.get("past_values") is self.values_view)
         if sys.getrefcount(self.values_view) > known:
             return True
-        return _other_tensors_share(self.keys) or _other_tensors_share(self.values)
+        return _other_tensors_share(self.keys, self._keys_address) or _other_tensors_share(
+            self.values, self._values_address
+        )
 
     def backs(self, past_keys: object, past_values: object) -> bool:
         """Whether the entry still holds the views this storage handed out (not reassigned)."""
@@ -219,14 +251,29 @@ class KVStorage:
 
     def can_write(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> bool:
         """Whether the new positions fit and match the buffers' dtype and device."""
-        if self.length + new_keys.size(1) > self.capacity:
+        if self.length + new_keys.size(1) > self._capacity:
             return False
-        if self.keys.dtype != new_keys.dtype or self.keys.device != new_keys.device:
+        if self._dtype != new_keys.dtype or self._device != new_keys.device:
             return False
-        if self.values.dtype != new_values.dtype or self.values.device != new_values.device:
+        if self._values_dtype != new_values.dtype or self._values_device != new_values.device:
             return False
         # Inference tensors cannot be written in place outside inference mode.
-        return not self.keys.is_inference() or torch.is_inference_mode_enabled()
+        return not self._inference or torch.is_inference_mode_enabled()
+
+    def try_append(
+        self, entry_state: Mapping[str, object], new_keys: object, new_values: object
+    ) -> bool:
+        """The whole per-token path: :meth:`try_write` unless a view is shared (copy-on-write).
+
+        ``entry_state`` is the entry's ``__dict__``. Returns ``False``, changing nothing, for
+        anything but a plain step into a buffer nothing else holds; the caller then takes its
+        full path, which copies on write, validates and grows.
+        """
+        if self.shared_outside(entry_state):
+            return False
+        return self.try_write(
+            entry_state.get("past_keys"), entry_state.get("past_values"), new_keys, new_values
+        )
 
     def try_write(
         self,
@@ -246,29 +293,23 @@ class KVStorage:
             return False
         if type(new_keys) is not torch.Tensor or type(new_values) is not torch.Tensor:
             return False
-        keys, values = self.keys, self.values
-        if new_keys.dtype is not keys.dtype or new_values.dtype is not values.dtype:
+        if new_keys.dtype is not self._dtype or new_values.dtype is not self._values_dtype:
             return False
         key_shape, value_shape = new_keys.shape, new_values.shape
         if len(key_shape) != 4 or len(value_shape) != 4:
             return False
         batch, positions, heads, d_head = key_shape
         stop = self.length + positions
-        if positions < 1 or stop > keys.size(2) or value_shape[1] != positions:
+        if positions < 1 or stop > self._capacity or value_shape[1] != positions:
             return False
-        buffer_shape, values_shape = keys.shape, values.shape
-        if (batch, heads, d_head) != (buffer_shape[0], buffer_shape[1], buffer_shape[3]):
+        if (batch, heads, d_head) != self._key_layout:
             return False
-        if (value_shape[0], value_shape[2], value_shape[3]) != (
-            values_shape[0],
-            values_shape[1],
-            values_shape[3],
-        ):
+        if (value_shape[0], value_shape[2], value_shape[3]) != self._value_layout:
             return False
-        if new_keys.device != keys.device or new_values.device != values.device:
+        if new_keys.device != self._device or new_values.device != self._values_device:
             return False
         # The full path refuses meta caches that hold positions; leave those to it.
-        if keys.is_meta or (keys.is_inference() and not torch.is_inference_mode_enabled()):
+        if self._meta or (self._inference and not torch.is_inference_mode_enabled()):
             return False
         self._write_unchecked(new_keys, new_values, positions, stop)
         return True
@@ -282,13 +323,22 @@ class KVStorage:
         self, new_keys: torch.Tensor, new_values: torch.Tensor, positions: int, stop: int
     ) -> None:
         start = self.length
-        keys, values = self.keys_by_position, self.values_by_position
-        # narrow() is the cheapest view torch offers from Python; this runs once per token.
-        keys.narrow(1, start, positions).copy_(new_keys)
-        values.narrow(1, start, positions).copy_(new_values)
+        keys, values = self.keys, self.values
+        key_strides, value_strides = self._key_strides, self._value_strides
+        # Views made with as_strided from the buffers themselves: the cheapest view torch offers
+        # from Python (this runs once per token per layer); they equal
+        # keys_by_position.narrow(1, start, positions) and .narrow(1, 0, stop).
+        keys.as_strided(new_keys.shape, key_strides, start * self._key_position_stride).copy_(
+            new_keys
+        )
+        values.as_strided(
+            new_values.shape, value_strides, start * self._value_position_stride
+        ).copy_(new_values)
         self.length = stop
-        self.keys_view = keys.narrow(1, 0, stop)
-        self.values_view = values.narrow(1, 0, stop)
+        batch, heads, d_head = self._key_layout
+        self.keys_view = keys.as_strided((batch, stop, heads, d_head), key_strides)
+        batch, heads, d_head = self._value_layout
+        self.values_view = values.as_strided((batch, stop, heads, d_head), value_strides)
 
 
 def _buffer_with(past: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -314,13 +364,16 @@ def allocate(
     """Return new storage holding the past, then the new positions, in the new dtype/device.
 
     ``planned``: the total the previous storage of this cache was planned for, if any. A cache's
-    first write under :func:`reserve_ahead` starts a plan and is stored exactly (no spare).
+    first write under :func:`reserve_ahead` starts a plan and is stored exactly (no spare), or
+    at the planned total when that is within one growth step of it (a short generation).
     """
     length = past_keys.size(1) + new_keys.size(1)
     if planned is None and past_keys.size(1) == 0:
         planned = plan_for_first_write(length)
-        # Under a plan the first write (the prompt) is stored exactly; see reserve_ahead.
-        capacity = capacity_for(length, limit, length if planned is not None else None)
+        capacity = capacity_for(length, limit, planned)
+        if planned is not None and capacity < planned:
+            # A plan more than one step away: the prompt is stored exactly; see reserve_ahead.
+            capacity = capacity_for(length, limit, length)
     else:
         capacity = capacity_for(length, limit, planned)
     keys = _buffer_with(past_keys, new_keys, capacity)

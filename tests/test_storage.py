@@ -133,17 +133,33 @@ def test_returned_tensors_never_change(patched: Any, entry_class: type) -> None:
 
 
 @torch.inference_mode()
-def test_reserve_ahead_stores_the_first_write_exactly_then_grows_once_to_the_plan(
+def test_reserve_ahead_allocates_a_plan_within_one_step_at_the_first_write(
     patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
 ) -> None:
+    """A short generation: one buffer per layer, of exactly the final length, never regrown."""
     entry = new_entry(entry_class)
     with kv_storage.reserve_ahead(20):
         entry.append(*kv(12))
         for _ in range(20):
             entry.append(*kv(1))
-    # The prompt, exactly (no future positions during its forward pass), then the planned total.
-    assert [storage.capacity for storage in allocations] == [12, 32]
+    assert [storage.capacity for storage in allocations] == [32]
     assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == 32
+
+
+@torch.inference_mode()
+def test_reserve_ahead_stores_the_first_write_exactly_when_the_plan_is_further(
+    patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
+) -> None:
+    """One position beyond a step: the prompt exactly (no future positions during its forward
+    pass), then the planned total at the first new token."""
+    entry = new_entry(entry_class)
+    ahead = kv_storage.PLAN_STEP + 1
+    with kv_storage.reserve_ahead(ahead):
+        entry.append(*kv(12))
+        for _ in range(ahead):
+            entry.append(*kv(1))
+    assert [storage.capacity for storage in allocations] == [12, 12 + ahead]
+    assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == 12 + ahead
 
 
 @torch.inference_mode()
@@ -239,8 +255,9 @@ def test_try_write_refuses_anything_unusual_and_changes_nothing(case: str) -> No
 
 @requires_hooked_transformer
 @pytest.mark.parametrize("as_text", [False, True])
-def test_generate_stores_the_prompt_then_reserves_the_final_length_once(
-    patched: Any, allocations: list[kv_storage.KVStorage], as_text: bool
+@pytest.mark.parametrize("new", [9, kv_storage.PLAN_STEP + 2], ids=["short", "long"])
+def test_generate_reserves_the_final_length_once(
+    patched: Any, allocations: list[kv_storage.KVStorage], as_text: bool, new: int
 ) -> None:
     from safelens_tl.verify.models import build_model
 
@@ -248,21 +265,27 @@ def test_generate_stores_the_prompt_then_reserves_the_final_length_once(
     texts = ["the cat runs to the river", "a dog sleeps"]
     prompt: Any = texts if as_text else model.to_tokens(texts)
     prompt_length = model.to_tokens(texts).size(1)
-    new = 9
     model.generate(prompt, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False)
-    _assert_prompt_then_final_per_layer(allocations, model.cfg.n_layers, prompt_length, new)
+    _assert_final_length_once_per_layer(allocations, model.cfg.n_layers, prompt_length, new)
 
 
-def _assert_prompt_then_final_per_layer(
+def _assert_final_length_once_per_layer(
     allocations: list[kv_storage.KVStorage], layers: int, prompt_length: int, new: int
 ) -> None:
-    """Each layer: the prompt stored exactly, then one buffer of exactly the final length."""
-    assert len(allocations) == 2 * layers
-    for storage in allocations[:layers]:
-        assert storage.capacity == prompt_length
-    for storage in allocations[layers:]:
-        # The last sampled token is never fed back, so the cache ends at prompt + new - 1.
-        assert storage.capacity == storage.length == prompt_length + new - 1
+    """Each layer ends in one buffer of exactly the final length, reached in one allocation.
+
+    A short generation (the final length within one growth step of the prompt) allocates it with
+    the prompt; a longer one first stores the prompt exactly.
+    """
+    # The last sampled token is never fed back, so the cache ends at prompt + new - 1.
+    final = prompt_length + new - 1
+    short = final - prompt_length <= max(prompt_length // 4, kv_storage.PLAN_STEP)
+    assert len(allocations) == (layers if short else 2 * layers)
+    if not short:
+        for storage in allocations[:layers]:
+            assert storage.capacity == prompt_length
+    for storage in allocations[-layers:]:
+        assert storage.capacity == storage.length == final
 
 
 @requires_hooked_transformer
@@ -327,7 +350,7 @@ def test_generate_stream_reserves_like_generate_and_streams_the_same_tokens(
     ours = [first, *streamed]
     assert len(ours) == len(stock) > 1
     assert all(torch.equal(a, b) for a, b in zip(ours, stock, strict=True))
-    _assert_prompt_then_final_per_layer(allocations, model.cfg.n_layers, tokens.size(1), 9)
+    _assert_final_length_once_per_layer(allocations, model.cfg.n_layers, tokens.size(1), 9)
 
 
 @requires_generate_stream
