@@ -1,12 +1,18 @@
-"""TransformerBridge generate, patched: cached against uncached, and against Hugging Face generate.
+"""TransformerBridge generate: patched cached against stock cached, uncached and Hugging Face.
 
 One run prints one table. The model is the verifier's tiny rotary Llama with grouped-query
 attention (random weights, nothing downloaded), booted with ``TransformerBridge.boot_transformers``;
-Hugging Face's ``generate`` runs the same checkpoint loaded with ``AutoModelForCausalLM``. Greedy,
-no early stop, equal-length prompts (no padding). Rounds alternate between the three ways and the
-median time of each is reported, with the ratios of medians.
+Hugging Face's ``generate`` runs the same checkpoint loaded with ``AutoModelForCausalLM``, in the
+same dtype. Greedy, no early stop, equal-length prompts (no padding). Rounds alternate between the
+four ways and the median time of each is reported, with the ratios of medians.
 
-    HF_HUB_OFFLINE=1 python benchmarks/bridge_generate.py [--rounds 5] [--dtype float32]
+Stock's cached generate is timed too, and its tokens compared with the uncached ones: with
+transformers 5.24 and later stock attends to one position per step (docs/upstream-transformerbridge-
+cache.md), so its speed is shown but its ratio is marked as wrong output.
+
+    HF_HUB_OFFLINE=1 python benchmarks/bridge_generate.py [--rounds 5] [--dtype float32,bfloat16]
+
+``benchmarks/kv_cache.py`` runs the same measurement as its ``bridge`` section.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import functools
 import io
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +35,8 @@ from safelens_tl.verify import bridge, models
 
 #: (prompt tokens, new tokens, batch)
 SHAPES = ((8, 48, 1), (256, 128, 2))
+#: The ways a generation is run, in the order of each round.
+WAYS = ("cached", "stock cached", "uncached", "hf")
 
 
 def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -51,6 +59,17 @@ def _bridge_run(model: Any, prompt: torch.Tensor, new: int, cached: bool) -> tor
     return tokens[:, -new:]
 
 
+def _timed_way(way: str, run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    """Time one way; stock runs with safelens-tl deactivated, outside the timed span."""
+    if way != "stock cached":
+        return _timed(run)
+    safelens_tl.deactivate()
+    try:
+        return _timed(run)
+    finally:
+        safelens_tl.activate()
+
+
 def _hf_run(model: Any, prompt: torch.Tensor, new: int) -> torch.Tensor:
     tokens: torch.Tensor = model.generate(
         input_ids=prompt,
@@ -63,62 +82,104 @@ def _hf_run(model: Any, prompt: torch.Tensor, new: int) -> torch.Tensor:
     return tokens[:, -new:]
 
 
+def measure(
+    dtype_names: Sequence[str],
+    shapes: Sequence[tuple[int, int, int]] = SHAPES,
+    rounds: int = 5,
+) -> list[dict[str, Any]]:
+    """One row per dtype and shape: median ms per new token of each way, and token agreement.
+
+    safelens-tl is active when this returns (it activates it).
+    """
+    safelens_tl.activate()
+    rows: list[dict[str, Any]] = []
+    for dtype_name in dtype_names:
+        dtype = getattr(torch, dtype_name)
+        model = bridge.boot("llama-like-gqa", dtype)
+        reference = bridge.reference_model("llama-like-gqa", dtype)
+        # No early stop, as in the bridge's stop_at_eos=False (min_new_tokens would instead mask
+        # the EOS logit, and greedy tokens would differ from the bridge's).
+        reference.generation_config.eos_token_id = None
+        generator = torch.Generator().manual_seed(0)
+        for prompt_length, new, batch in shapes:
+            prompt = torch.randint(
+                4, models.vocab_size(), (batch, prompt_length), generator=generator
+            )
+            ways: dict[str, Callable[[], torch.Tensor]] = {
+                "cached": functools.partial(_bridge_run, model, prompt, new, True),
+                "stock cached": functools.partial(_bridge_run, model, prompt, new, True),
+                "uncached": functools.partial(_bridge_run, model, prompt, new, False),
+                "hf": functools.partial(_hf_run, reference, prompt, new),
+            }
+            times: dict[str, list[float]] = {way: [] for way in WAYS}
+            # warm-up, untimed
+            outputs = {way: _timed_way(way, run)[1] for way, run in ways.items()}
+            for _ in range(rounds):
+                for way, run in ways.items():
+                    times[way].append(_timed_way(way, run)[0])
+            per_token = {way: 1000 * statistics.median(t) / new for way, t in times.items()}
+            rows.append(
+                {
+                    "dtype": dtype_name,
+                    "prompt": prompt_length,
+                    "new": new,
+                    "batch": batch,
+                    "rounds": rounds,
+                    **{f"{way} ms": ms for way, ms in per_token.items()},
+                    "same tokens": torch.equal(outputs["cached"], outputs["uncached"])
+                    and torch.equal(outputs["cached"], outputs["hf"]),
+                    "stock right": torch.equal(outputs["stock cached"], outputs["uncached"]),
+                }
+            )
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> Table:
+    """The rows of :func:`measure` as a rich table of ms per token and ratios."""
+    rounds = rows[0]["rounds"] if rows else 0
+    result = Table(
+        title=f"TransformerBridge generate (median of {rounds} alternating rounds, ms per new "
+        "token; ratios: speed of patched cached over the other)"
+    )
+    columns = ["dtype", "prompt+new x batch", "patched cached", "stock cached", "uncached"]
+    columns += ["HF generate", "vs stock", "vs uncached", "vs HF", "same tokens"]
+    for column in columns:
+        result.add_column(column, justify="right")
+    for row in rows:
+        cached = row["cached ms"]
+        vs_stock = f"{row['stock cached ms'] / cached:.2f}x"
+        if not row["stock right"]:
+            vs_stock += " (stock wrong)"
+        result.add_row(
+            row["dtype"],
+            f"{row['prompt']}+{row['new']} x {row['batch']}",
+            f"{cached:.2f}",
+            f"{row['stock cached ms']:.2f}",
+            f"{row['uncached ms']:.2f}",
+            f"{row['hf ms']:.2f}",
+            vs_stock,
+            f"{row['uncached ms'] / cached:.2f}x",
+            f"{row['hf ms'] / cached:.2f}x",
+            "yes" if row["same tokens"] else "NO",
+        )
+    return result
+
+
 def main() -> None:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    arguments = parser.parse_args()
-    dtype = getattr(torch, arguments.dtype)
-    safelens_tl.activate()
-    model = bridge.boot("llama-like-gqa", dtype)
-    reference = bridge.reference_model("llama-like-gqa", dtype)
-    # No early stop, as in the bridge's stop_at_eos=False (min_new_tokens would instead mask the
-    # EOS logit, and greedy tokens would differ from the bridge's).
-    reference.generation_config.eos_token_id = None
-    table = Table(
-        title=f"TransformerBridge generate, patched ({arguments.dtype}, median of "
-        f"{arguments.rounds} alternating rounds, ms per new token)"
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="comma-separated: float32, float16, bfloat16 (default float32)",
     )
-    for column in (
-        "prompt+new x batch",
-        "bridge cached",
-        "bridge uncached",
-        "HF generate",
-        "cached speed-up",
-        "HF / bridge cached",
-        "same tokens",
-    ):
-        table.add_column(column, justify="right")
-    generator = torch.Generator().manual_seed(0)
-    for prompt_length, new, batch in SHAPES:
-        prompt = torch.randint(4, models.vocab_size(), (batch, prompt_length), generator=generator)
-        ways: dict[str, Callable[[], torch.Tensor]] = {
-            "cached": functools.partial(_bridge_run, model, prompt, new, True),
-            "uncached": functools.partial(_bridge_run, model, prompt, new, False),
-            "hf": functools.partial(_hf_run, reference, prompt, new),
-        }
-        times: dict[str, list[float]] = {way: [] for way in ways}
-        outputs: dict[str, torch.Tensor] = {}
-        for way, run in ways.items():  # warm-up, untimed
-            outputs[way] = _timed(run)[1]
-        for _ in range(arguments.rounds):
-            for way, run in ways.items():
-                times[way].append(_timed(run)[0])
-        per_token = {way: 1000 * statistics.median(t) / new for way, t in times.items()}
-        same = torch.equal(outputs["cached"], outputs["hf"]) and torch.equal(
-            outputs["cached"], outputs["uncached"]
-        )
-        table.add_row(
-            f"{prompt_length}+{new} x {batch}",
-            f"{per_token['cached']:.2f}",
-            f"{per_token['uncached']:.2f}",
-            f"{per_token['hf']:.2f}",
-            f"{per_token['uncached'] / per_token['cached']:.2f}x",
-            f"{per_token['hf'] / per_token['cached']:.2f}x",
-            "yes" if same else "NO",
-        )
-    Console(width=120).print(table)
+    arguments = parser.parse_args()
+    dtype_names = [name.strip() for name in arguments.dtype.split(",") if name.strip()]
+    for name in dtype_names:
+        if name not in ("float32", "float16", "bfloat16"):
+            parser.error(f"--dtype: expected float32, float16 or bfloat16; received {name!r}")
+    Console(width=160).print(table(measure(dtype_names, SHAPES, arguments.rounds)))
 
 
 if __name__ == "__main__":

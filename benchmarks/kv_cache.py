@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -39,25 +40,37 @@ class Sizes:
 
     append_lengths: tuple[int, ...]
     rounds: int
-    generate_rounds: tuple[int, int]  # short, long: a generation is short, and noisy on 2 cores
     stock_appends: int
     patched_appends: int
-    short: tuple[int, int, int]  # prompt, new tokens, batch
-    long: tuple[int, int, int]
+    # Per-token overhead on the short generation's own shapes: cached lengths, appends, rounds.
+    step_lengths: tuple[int, ...]
+    step_appends: int
+    step_rounds: int
+    # label, prompt, new tokens, batch, rounds; "long" runs on the long model, the rest on the
+    # verifier's tiny GPT-2-like model (a generation is short, and noisy on 2 cores).
+    generations: tuple[tuple[str, int, int, int, int], ...]
     long_n_ctx: int
     memory_runs: int  # fresh processes per variant; 0: measure in this process (quick)
     # label, prompt, new tokens (max_new_tokens), batch, EOS after this many tokens (0: none)
     memory: tuple[tuple[str, int, int, int, int], ...]
+    # Cache bytes per token: label, prompt, max_new_tokens, batch, EOS after (0: none); n_ctx.
+    trace: tuple[tuple[str, int, int, int, int], ...]
+    trace_n_ctx: int
+    # TransformerBridge: (prompt, new, batch) shapes, dtypes, rounds.
+    bridge_shapes: tuple[tuple[int, int, int], ...]
+    bridge_dtypes: tuple[str, ...]
+    bridge_rounds: int
 
 
 FULL = Sizes(
     (256, 1024, 4096, 8192),
     5,
-    (31, 9),
     4,
     64,
-    (8, 48, 1),
-    (640, 160, 4),
+    (8, 32, 128),
+    16,
+    15,
+    (("short", 8, 48, 1, 41), ("shortest", 1, 16, 1, 61), ("long", 640, 160, 4, 9)),
     1024,
     5,
     # The long context's peak is its prompt's attention; the long generation's is the cache.
@@ -67,19 +80,33 @@ FULL = Sizes(
         ("long generation", 32, 480, 8, 0),
         ("early EOS", 32, 960, 1, 3),
     ),
+    (("normal", 32, 400, 1, 0), ("early EOS", 32, 2000, 1, 3), ("second generate", 32, 400, 1, 0)),
+    2048,
+    ((8, 48, 1), (256, 128, 2)),
+    ("float32", "bfloat16"),
+    5,
 )
 QUICK = Sizes(
     (32, 128),
     1,
-    (1, 1),
     2,
     8,
-    (4, 6, 1),
-    (24, 8, 2),
+    (8, 32),
+    4,
+    1,
+    (("short", 4, 6, 1, 1), ("shortest", 1, 4, 1, 1), ("long", 24, 8, 2, 1)),
     64,
     0,
     (("long context", 24, 8, 2, 0), ("early EOS", 8, 48, 1, 3)),
+    (("normal", 8, 80, 1, 0), ("early EOS", 8, 200, 1, 3), ("second generate", 8, 80, 1, 0)),
+    256,
+    ((4, 6, 1),),
+    ("float32",),
+    1,
 )
+
+#: The measurements, in the order they run; ``--only`` picks some of them.
+SECTIONS = ("append", "step", "generate", "memory", "trace", "autocast", "bridge")
 
 
 @dataclass
@@ -88,9 +115,12 @@ class Results:
 
     machine: dict[str, str] = field(default_factory=dict)
     append: list[dict[str, float]] = field(default_factory=list)
+    step: list[dict[str, float]] = field(default_factory=list)
     generate: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
+    trace: list[dict[str, Any]] = field(default_factory=list)
     autocast: dict[str, Any] = field(default_factory=dict)
+    bridge: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -251,6 +281,65 @@ def bench_append(layout: targets.Layout, sizes: Sizes, results: Results) -> None
         results.append.append(row)
 
 
+# Per-token overhead -----------------------------------------------------------------------------
+
+
+def _tiny_shape() -> tuple[int, int]:
+    """Heads and d_head of the verifier's GPT-2-like model, the short generation's model."""
+    from safelens_tl.verify import models
+
+    return int(models.GPT2_LIKE["n_heads"]), int(models.GPT2_LIKE["d_head"])
+
+
+def step_append(layout: targets.Layout, cached: int, count: int, on: bool) -> float:
+    """Seconds per one-token append on the short generation's shape (batch 1), ``cached`` past.
+
+    Stock appends with ``torch.cat``; patched, the past was written as ``generate`` writes a
+    prompt under its plan, so the appends go in place, as every step of a short generation does.
+    """
+    heads, d_head = _tiny_shape()
+    cfg = layout.config_class()(
+        d_model=heads * d_head,
+        d_head=d_head,
+        n_heads=heads,
+        n_layers=1,
+        n_ctx=cached + count,
+        act_fn="relu",
+        dtype=torch.float32,
+    )
+    past_keys, past_values = (
+        torch.randn(1, cached, heads, d_head),
+        torch.randn(1, cached, heads, d_head),
+    )
+    keys, values = torch.randn(1, 1, heads, d_head), torch.randn(1, 1, heads, d_head)
+    with patched(on), torch.inference_mode():
+        entry_class: Any = layout.entry_class
+        entry = entry_class.init_cache_entry(cfg, "cpu", 1)
+        if on:
+            with kv_storage.reserve_ahead(count):
+                entry.append(past_keys, past_values)
+        else:
+            entry.past_keys, entry.past_values = past_keys, past_values
+        append = entry.append
+        start = time.perf_counter()
+        for _ in range(count):
+            append(keys, values)
+        return (time.perf_counter() - start) / count
+
+
+def bench_step(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
+    """Per-token cost of one append at small cached lengths, stock ``torch.cat`` and patched."""
+    for cached in sizes.step_lengths:
+        best = best_of(
+            sizes.step_rounds,
+            {
+                on_name: functools.partial(step_append, layout, cached, sizes.step_appends, on)
+                for on_name, on in (("stock", False), ("patched", True))
+            },
+        )
+        results.step.append({"cached": cached, **{k: v * 1e6 for k, v in best.items()}})
+
+
 # Generate ---------------------------------------------------------------------------------------
 
 
@@ -293,14 +382,12 @@ def time_generate(model: Any, tokens: torch.Tensor, new: int, on: bool) -> float
 
 
 def bench_generate(sizes: Sizes, results: Results) -> None:
-    """Tokens per second of ``generate`` at a short and a long context, stock and patched."""
+    """Tokens per second of ``generate`` at each of ``sizes.generations``, stock and patched."""
     from safelens_tl.verify.models import build_model
 
     short_model = build_model("gpt2-like", torch.float32)
-    for label, model, (prompt, new, batch), rounds in (
-        ("short", short_model, sizes.short, sizes.generate_rounds[0]),
-        ("long", long_model(sizes.long_n_ctx), sizes.long, sizes.generate_rounds[1]),
-    ):
+    for label, prompt, new, batch, rounds in sizes.generations:
+        model = long_model(sizes.long_n_ctx) if label == "long" else short_model
         tokens = _tokens(model, prompt, batch)
         time_generate(model, tokens, new, True)  # warm-up: first-call costs are no one's
         time_generate(model, tokens, new, False)
@@ -431,6 +518,128 @@ def cache_bytes(positions: int, batch: int) -> int:
     return int(models.GPT2_LIKE["n_layers"] * batch * positions * per_position)
 
 
+# Cache bytes per token --------------------------------------------------------------------------
+
+
+def held_bytes(entries: list[Any]) -> int:
+    """Bytes of the distinct storages behind these cache entries (spare capacity included).
+
+    Counts what each entry's ``past_keys``/``past_values`` view and, patched, what its storage
+    object keeps, so a buffer held beyond the views would be counted too.
+    """
+    sizes: dict[int, int] = {}
+    for entry in entries:
+        tensors = [entry.past_keys, entry.past_values]
+        storage = entry.__dict__.get("_safelens_storage")
+        if storage is not None:
+            tensors += [storage.keys, storage.values]
+        for tensor in tensors:
+            untyped = tensor.untyped_storage()
+            sizes[untyped.data_ptr()] = untyped.nbytes()
+    return sum(sizes.values())
+
+
+class CacheTracer:
+    """Records, after every forward pass of ``generate``, the bytes its KV cache holds.
+
+    ``generate`` calls ``forward`` directly (no module hooks there), but each block is called
+    with its cache entry (``past_kv_cache_entry=``) and ``unembed`` ends every pass: the entries
+    are collected by pre-hooks on the blocks and measured by a hook on ``unembed``. Entries of
+    earlier generations are kept as weak references, so that anything they still hold while a
+    later generation runs is measured too.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.steps: list[int] = []
+        self.earlier_held: list[int] = []
+        self._current: list[Any] = []
+        self._generation: list[Any] = []
+        self._earlier: list[weakref.ref[Any]] = []
+        self._handles = [
+            block.register_forward_pre_hook(self._entry, with_kwargs=True) for block in model.blocks
+        ]
+        self._handles.append(model.unembed.register_forward_hook(self._pass_done))
+
+    def _entry(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        entry = kwargs.get("past_kv_cache_entry")
+        if entry is not None:
+            self._current.append(entry)
+
+    def _pass_done(self, module: Any, args: Any, output: Any) -> None:
+        if self._current:
+            earlier = [entry for ref in self._earlier if (entry := ref()) is not None]
+            self.steps.append(held_bytes(self._current))
+            self.earlier_held.append(held_bytes(earlier))
+            self._generation = self._current
+        self._current = []
+
+    def next_generation(self) -> None:
+        """Start a new trace; the entries of the last generation are only weakly referenced."""
+        self._earlier += [weakref.ref(entry) for entry in self._generation]
+        self._generation, self.steps, self.earlier_held = [], [], []
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+
+
+def trace_generate(
+    model: Any, tokens: torch.Tensor, new: int, on: bool, stop_token: int | None, runs: int
+) -> tuple[list[int], int]:
+    """Cache bytes after each forward pass of the last of ``runs`` generations, and the most
+    bytes earlier generations' caches still held meanwhile."""
+    stop: dict[str, Any] = {"stop_at_eos": False}
+    if stop_token is not None:
+        stop = {"stop_at_eos": True, "eos_token_id": stop_token}
+    with patched(on):
+        tracer = CacheTracer(model)
+        try:
+            for _ in range(runs):
+                tracer.next_generation()
+                model.generate(tokens, max_new_tokens=new, do_sample=False, verbose=False, **stop)
+        finally:
+            tracer.remove()
+    return tracer.steps, max(tracer.earlier_held, default=0)
+
+
+def bench_trace(sizes: Sizes, results: Results) -> None:
+    """KV cache bytes after every token, stock and patched, against the issue's bound."""
+    model = long_model(sizes.trace_n_ctx)
+    cfg = model.cfg
+    heads = cfg.n_key_value_heads or cfg.n_heads
+    for label, prompt, new, batch, stop_after in sizes.trace:
+        tokens = _tokens(model, prompt, batch)
+        stop_token = _stop_token(model, tokens, stop_after) if stop_after else None
+        runs = 2 if label == "second generate" else 1
+        stock, stock_earlier = trace_generate(model, tokens, new, False, stop_token, runs)
+        ours, our_earlier = trace_generate(model, tokens, new, True, stop_token, runs)
+        position = cfg.n_layers * batch * 2 * heads * cfg.d_head * 4  # fp32 keys and values
+        growth_step = kv_storage.PLAN_STEP * position
+        bounds = [max(s * 5 // 4, s + growth_step) for s in stock]
+        results.trace.append(
+            {
+                "case": label,
+                "prompt": prompt,
+                "max_new": new,
+                "batch": batch,
+                "stop_after": stop_after,
+                "position_bytes": position,
+                "growth_step_bytes": growth_step,
+                "stock": stock,
+                "patched": ours,
+                "within_bound": len(stock) == len(ours)
+                and all(o <= b for o, b in zip(ours, bounds, strict=True)),
+                "worst_ratio": max(o / s for o, s in zip(ours, stock, strict=False) if s),
+                "worst_excess_positions": max(
+                    (o - s) / position for o, s in zip(ours, stock, strict=False)
+                ),
+                "stock_earlier": stock_earlier,
+                "patched_earlier": our_earlier,
+            }
+        )
+
+
 # Autocast ---------------------------------------------------------------------------------------
 
 
@@ -455,13 +664,26 @@ def autocast_cache(model: Any, tokens: torch.Tensor, steps: int, on: bool) -> di
 
 def bench_autocast(sizes: Sizes, results: Results) -> None:
     """Cache bytes of an fp32 model run under bf16 autocast, stock and patched."""
-    prompt, new, batch = sizes.long
+    prompt, new, batch = next(shape[1:4] for shape in sizes.generations if shape[0] == "long")
     model = long_model(sizes.long_n_ctx)
     tokens = _tokens(model, prompt, batch)
     results.autocast = {
         "stock": autocast_cache(model, tokens, new - 1, False),
         "patched": autocast_cache(model, tokens, new - 1, True),
     }
+
+
+# TransformerBridge -------------------------------------------------------------------------------
+
+
+def bench_bridge(sizes: Sizes, results: Results) -> None:
+    """The ``TransformerBridge`` table of ``benchmarks/bridge_generate.py``, at these sizes."""
+    import bridge_generate  # this script's own folder is on sys.path
+
+    results.bridge = bridge_generate.measure(
+        sizes.bridge_dtypes, sizes.bridge_shapes, sizes.bridge_rounds
+    )
+    safelens_tl.deactivate()
 
 
 # Report -----------------------------------------------------------------------------------------
@@ -534,13 +756,29 @@ def report(results: Results) -> None:
             _ratio(row["floor"] / row["raw"]),
             _ratio(row["amortized"] / row["floor"]),
         )
-    console.print(times)
-    console.print(ratios)
-    if results.generate:
-        short_rounds, long_rounds = (int(row["rounds"]) for row in results.generate)
+    if results.append:
+        console.print(times)
+        console.print(ratios)
+    if results.step:
+        heads, d_head = _tiny_shape()
         table = Table(
-            title=f"generate, greedy, cached: tokens/s, best of {short_rounds}/{long_rounds} rounds"
+            title=f"per-token append on the short generation's shape (batch 1, {heads} heads, "
+            f"d_head {d_head}, fp32), µs"
         )
+        for column in ("cached", "stock torch.cat", "patched", "patched - stock", "stock/patched"):
+            table.add_column(column, justify="right")
+        for row in results.step:
+            table.add_row(
+                str(int(row["cached"])),
+                f"{row['stock']:.2f}",
+                f"{row['patched']:.2f}",
+                f"{row['patched'] - row['stock']:+.2f}",
+                _ratio(row["stock"] / row["patched"]),
+            )
+        console.print(table)
+    if results.generate:
+        rounds = "/".join(str(int(row["rounds"])) for row in results.generate)
+        table = Table(title=f"generate, greedy, cached: tokens/s, best of {rounds} rounds")
         for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
         table.add_column("median of pairs", justify="right")
@@ -583,8 +821,60 @@ def report(results: Results) -> None:
             f"{ours['reserved']:,} B reserved "
             f"(patched/stock {_share(ours['reserved'], stock['used'])})"
         )
+    if results.trace:
+        report_trace(console, results.trace)
+    if results.bridge:
+        import bridge_generate
+
+        console.print(bridge_generate.table(results.bridge))
     for note in results.notes:
         console.print(f"note: {note}")
+
+
+def report_trace(console: Any, rows: list[dict[str, Any]]) -> None:
+    """The per-token cache bytes: a summary per case, then the growth points of the first."""
+    from rich.table import Table
+
+    kib = 1024
+    table = Table(
+        title="KV cache bytes held after each forward pass of generate (bound: patched <= "
+        f"max(stock x 1.25, stock + {kv_storage.PLAN_STEP} positions) at every token)"
+    )
+    columns = ["case", "prompt+max new", "passes", "stock at end, KiB", "patched at end, KiB"]
+    columns += ["most patched/stock", "most extra positions", "bound met", "earlier gen. held"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        stops = f" (EOS at {row['stop_after']})" if row["stop_after"] else ""
+        earlier = f"{row['stock_earlier']} / {row['patched_earlier']} B"
+        table.add_row(
+            str(row["case"]),
+            f"{row['prompt']}+{row['max_new']}{stops}",
+            f"{len(row['stock'])}/{len(row['patched'])}",
+            f"{row['stock'][-1] / kib:,.1f}",
+            f"{row['patched'][-1] / kib:,.1f}",
+            f"{row['worst_ratio']:.2f}",
+            f"{row['worst_excess_positions']:.0f}",
+            "yes" if row["within_bound"] else "NO",
+            earlier if row["case"] == "second generate" else "",
+        )
+    console.print(table)
+    first = rows[0]
+    growth = Table(title=f"{first['case']}: the passes where the patched cache grew, KiB")
+    for column in ("pass", "cached positions", "stock", "patched", "patched/stock"):
+        growth.add_column(column, justify="right")
+    stock, ours = first["stock"], first["patched"]
+    position = first["position_bytes"]
+    for index, (bytes_stock, bytes_ours) in enumerate(zip(stock, ours, strict=False)):
+        if index == 0 or bytes_ours != ours[index - 1] or index == len(ours) - 1:
+            growth.add_row(
+                str(index + 1),
+                str(bytes_stock // position),
+                f"{bytes_stock / kib:,.1f}",
+                f"{bytes_ours / kib:,.1f}",
+                f"{bytes_ours / bytes_stock:.2f}",
+            )
+    console.print(growth)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,6 +885,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads (default: torch's, the core count)"
     )
+    parser.add_argument(
+        "--only",
+        metavar="SECTIONS",
+        help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
@@ -603,19 +898,40 @@ def main(argv: list[str] | None = None) -> int:
         variant, *numbers = args.memory_child
         memory_child(variant, *(int(n) for n in numbers))
         return 0
+    sections = SECTIONS
+    if args.only:
+        sections = tuple(name.strip() for name in args.only.split(",") if name.strip())
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown or not sections:
+            parser.error(f"--only: expected some of {', '.join(SECTIONS)}; received {args.only!r}")
     sizes = QUICK if args.quick else FULL
     layout = targets.locate()
     results = Results(machine=machine())
-    bench_append(layout, sizes, results)
-    if layout.known.has_hooked_transformer:
-        bench_generate(sizes, results)
-        bench_memory(sizes, results)
-        bench_autocast(sizes, results)
-    else:
+    hooked = layout.known.has_hooked_transformer
+    runners: dict[str, Callable[[], None]] = {
+        "append": functools.partial(bench_append, layout, sizes, results),
+        "step": functools.partial(bench_step, layout, sizes, results),
+        "generate": functools.partial(bench_generate, sizes, results),
+        "memory": functools.partial(bench_memory, sizes, results),
+        "trace": functools.partial(bench_trace, sizes, results),
+        "autocast": functools.partial(bench_autocast, sizes, results),
+        "bridge": functools.partial(bench_bridge, sizes, results),
+    }
+    needs_hooked = {"generate", "memory", "trace", "autocast"}
+    skipped = [name for name in sections if name in needs_hooked and not hooked]
+    if skipped:
         results.notes.append(
-            f"TransformerLens {layout.release} has no HookedTransformer: generate, memory and "
-            "autocast skipped"
+            f"TransformerLens {layout.release} has no HookedTransformer: {', '.join(skipped)} "
+            "skipped"
         )
+    if "bridge" in sections and not targets.has_bridge():
+        results.notes.append(
+            f"TransformerLens {layout.release} has no TransformerBridge: bridge skipped"
+        )
+    for name in sections:
+        if name in skipped or (name == "bridge" and not targets.has_bridge()):
+            continue
+        runners[name]()
     report(results)
     if args.json:
         with open(args.json, "w") as output:

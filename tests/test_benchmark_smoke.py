@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from tests.conftest import HAS_HOOKED_TRANSFORMER
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_cache.py"
 
@@ -31,8 +32,11 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     for row in results["append"]:
         assert all(row[k] > 0 for k in ("stock", "patched", "amortized", "raw", "floor"))
         assert row["floor"] > row["raw"]  # the floor is the raw write plus a regrowth share
+    assert [row["cached"] for row in results["step"]] == [8, 32]
+    assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["step"])
+    assert "per-token append" in done.stdout
     if HAS_HOOKED_TRANSFORMER:
-        assert [row["context"] for row in results["generate"]] == ["short", "long"]
+        assert [row["context"] for row in results["generate"]] == ["short", "shortest", "long"]
         assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["generate"])
         assert all(row["paired"] > 0 for row in results["generate"])
         assert [row["shape"] for row in results["memory"]] == ["long context", "early EOS"]
@@ -40,9 +44,50 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
         assert results["autocast"]["stock"]["dtype"] == "float32"
         assert results["autocast"]["patched"]["dtype"] == "bfloat16"
         assert "generate, greedy, cached" in done.stdout
+        _assert_cache_bytes_stay_within_the_bound(results["trace"])
     else:
-        assert results["generate"] == []
+        assert results["generate"] == results["trace"] == []
         assert any("no HookedTransformer" in note for note in results["notes"])
+    if HAS_BRIDGE:
+        (row,) = results["bridge"]
+        assert row["same tokens"]  # patched cached, uncached and Hugging Face agree
+        assert all(row[f"{way} ms"] > 0 for way in ("cached", "stock cached", "uncached", "hf"))
+        assert "TransformerBridge generate" in done.stdout
+    else:
+        assert results["bridge"] == []
+
+
+def _assert_cache_bytes_stay_within_the_bound(trace: list[dict[str, Any]]) -> None:
+    """Bytes, not time: the issue's memory bound, checked after every pass of a real generate.
+
+    Patched never holds more than max(stock x 1.25, stock + one growth step) at any token, an
+    early stop holds what it generated (not max_new_tokens), and a second generate holds nothing
+    of the first.
+    """
+    assert [row["case"] for row in trace] == ["normal", "early EOS", "second generate"]
+    for row in trace:
+        assert row["within_bound"], row["case"]
+        assert len(row["stock"]) == len(row["patched"]) > 0
+        step = row["growth_step_bytes"]
+        for stock, ours in zip(row["stock"], row["patched"], strict=True):
+            assert ours <= max(stock * 5 // 4, stock + step)
+    normal, early, second = trace
+    assert normal["stock"][-1] == normal["patched"][-1]  # the plan ends exactly at the end
+    assert len(early["stock"]) <= early["stop_after"] < early["max_new"]
+    assert second["patched"] == normal["patched"]
+    assert second["stock_earlier"] == second["patched_earlier"] == 0
+
+
+def test_benchmark_refuses_an_unknown_section() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick", "--only", "append,speed"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--only: expected some of append" in done.stderr and "'append,speed'" in done.stderr
 
 
 def test_fresh_memory_copy_prints_its_table() -> None:
