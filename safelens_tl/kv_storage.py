@@ -182,12 +182,13 @@ class KVStorage:
 
     keys: torch.Tensor
     values: torch.Tensor
+    #: Positions written so far; the views cover exactly these.
     length: int
-    keys_view: torch.Tensor
-    values_view: torch.Tensor
     #: The total this cache is planned to reach (see :func:`reserve_ahead`), or ``None``.
     planned: int | None = None
 
+    keys_view: torch.Tensor = field(init=False, repr=False)
+    values_view: torch.Tensor = field(init=False, repr=False)
     keys_by_position: torch.Tensor = field(init=False, repr=False)
     values_by_position: torch.Tensor = field(init=False, repr=False)
 
@@ -214,6 +215,12 @@ class KVStorage:
         self._inference = keys.is_inference() or values.is_inference()
         self._keys_storage, self._keys_address = _storage_of(keys)
         self._values_storage, self._values_address = _storage_of(values)
+        batch, heads, d_head = self._key_layout
+        self.keys_view = keys.as_strided((batch, self.length, heads, d_head), self._key_strides)
+        batch, heads, d_head = self._value_layout
+        self.values_view = values.as_strided(
+            (batch, self.length, heads, d_head), self._value_strides
+        )
 
     @property
     def capacity(self) -> int:
@@ -348,8 +355,8 @@ def _buffer_with(past: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.
     positions = buffer.transpose(1, 2)  # [batch, capacity, heads, d_head], a view
     if cached:
         # copy_ converts dtype and device in one pass; an empty past is never read (it may be meta).
-        positions[:, :cached].copy_(past)
-    positions[:, cached : cached + new.size(1)].copy_(new)
+        positions.narrow(1, 0, cached).copy_(past)
+    positions.narrow(1, cached, new.size(1)).copy_(new)
     return buffer
 
 
@@ -378,11 +385,4 @@ def allocate(
         capacity = capacity_for(length, limit, planned)
     keys = _buffer_with(past_keys, new_keys, capacity)
     values = _buffer_with(past_values, new_values, capacity)
-    return KVStorage(
-        keys,
-        values,
-        length,
-        keys.transpose(1, 2).narrow(1, 0, length),
-        values.transpose(1, 2).narrow(1, 0, length),
-        planned,
-    )
+    return KVStorage(keys, values, length, planned)

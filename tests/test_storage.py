@@ -323,6 +323,41 @@ def test_generate_wrapper_keeps_the_signature_and_is_removed(patched: Any) -> No
     assert model_class.__dict__["generate"] is original
 
 
+@requires_hooked_transformer
+def test_the_argument_reader_agrees_with_binding_on_every_kind_of_call() -> None:
+    """The wrapper reads max_new_tokens without Signature.bind where a call is plain; it must
+    answer exactly as binding does, for plain and odd calls alike."""
+    model_class = LAYOUT.model_class()
+    assert model_class is not None
+    signature = inspect.signature(model_class.__dict__["generate"])
+    reader = generate_reserve._ArgumentReader(signature)
+    names = list(signature.parameters)
+    up_to_cache = names.index("use_past_kv_cache")
+    defaults = [signature.parameters[name].default for name in names[1 : up_to_cache + 1]]
+    every_positional = ("self", *defaults[:-1], False)  # use_past_kv_cache=False, positionally
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("self", "text"), {"max_new_tokens": 5}),
+        (("self", "text", 5), {}),
+        (("self", "text"), {}),
+        (("self",), {"max_new_tokens": 5, "use_past_kv_cache": False}),
+        (("self",), {"max_new_tokens": 0}),
+        (("self",), {"max_new_tokens": 2.0}),
+        (("self",), {"max_new_tokens": True}),
+        (("self", "text", 7), {"max_new_tokens": 5}),  # given twice: binding fails
+        (("self", "text"), {"max_tokens": 5}),  # unknown keyword (or one for **kwargs)
+        (("self", "text"), {"max_new_tokens": 6, "num_beams": 2}),
+        (("self", *range(40)), {}),  # too many positional arguments
+        ((), {"max_new_tokens": 5}),  # no self
+        (every_positional, {}),
+        (every_positional[:-1], {"use_past_kv_cache": True}),
+    ]
+    for args, kwargs in calls:
+        expected = generate_reserve.positions_ahead(signature, args, kwargs)
+        assert reader.ahead(args, kwargs) == expected, (args, kwargs)
+    assert reader.ahead(every_positional, {}) is None
+    assert reader.ahead(("self", "text", 5), {}) == 4
+
+
 _MODEL_CLASS = LAYOUT.model_class()
 requires_generate_stream = pytest.mark.skipif(
     _MODEL_CLASS is None or "generate_stream" not in _MODEL_CLASS.__dict__,
