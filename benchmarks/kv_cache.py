@@ -734,7 +734,7 @@ def report(results: Results) -> None:
     from rich.table import Table
 
     # Wide enough for every column when the output is a file or a pipe (CI logs, the docs).
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(" ".join(f"{k}: {v};" for k, v in results.machine.items()))
     title = f"append (batch {BATCH}, {HEADS} heads, d_head {D_HEAD}, fp32)"
     times = Table(title=f"{title}, µs")

@@ -103,3 +103,18 @@ def test_fresh_memory_copy_prints_its_table() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "into fresh memory" in done.stdout
     assert all(str(cached) in done.stdout for cached in (1024, 4096, 8192))
+
+
+def test_append_floor_prints_its_table() -> None:
+    script = BENCHMARK.parent / "append_floor.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cached", "8,32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch calls of one append" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["8", "32"]
