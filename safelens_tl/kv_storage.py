@@ -120,9 +120,10 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
     once it has tokenized the input. The first write of each layer (the prompt) is stored exactly,
     and the storage remembers prompt + ``extra_positions``; when the layer needs more room it grows
     towards that total in steps of at most 25% or :data:`PLAN_STEP` positions, and the last step
-    ends exactly at the total (no spare at the end). A short generation, whose total is within
-    one such step of the prompt, gets its total at the first write: one buffer per layer, never
-    regrown, and never more than one step beyond what stock holds.
+    ends exactly at the total (no spare at the end). A short generation, whose total is at most
+    :data:`PLAN_STEP` positions beyond the prompt, gets its total at the first write: one buffer
+    per layer, never regrown, and never more than :data:`PLAN_STEP` positions beyond what stock
+    holds. (Not 25% of a long prompt: the prompt's forward pass is where memory peaks.)
 
     Why not reserve the total at once: a generation may stop early (EOS), and ``max_new_tokens``
     can be far larger than what is generated; and the prompt's forward pass is where attention's
@@ -372,15 +373,17 @@ def allocate(
 
     ``planned``: the total the previous storage of this cache was planned for, if any. A cache's
     first write under :func:`reserve_ahead` starts a plan and is stored exactly (no spare), or
-    at the planned total when that is within one growth step of it (a short generation).
+    at the planned total when that is at most :data:`PLAN_STEP` positions more (a short
+    generation).
     """
     length = past_keys.size(1) + new_keys.size(1)
     if planned is None and past_keys.size(1) == 0:
         planned = plan_for_first_write(length)
-        capacity = capacity_for(length, limit, planned)
-        if planned is not None and capacity < planned:
-            # A plan more than one step away: the prompt is stored exactly; see reserve_ahead.
-            capacity = capacity_for(length, limit, length)
+        if planned is not None and planned - length <= PLAN_STEP:
+            capacity = capacity_for(length, limit, planned)  # a short generation: all at once
+        else:
+            # A plan further away: the prompt is stored exactly; see reserve_ahead.
+            capacity = capacity_for(length, limit, length if planned is not None else None)
     else:
         capacity = capacity_for(length, limit, planned)
     keys = _buffer_with(past_keys, new_keys, capacity)

@@ -146,20 +146,29 @@ def test_reserve_ahead_allocates_a_plan_within_one_step_at_the_first_write(
     assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == 32
 
 
+@pytest.mark.parametrize(
+    ("prompt", "ahead"),
+    [(12, kv_storage.PLAN_STEP + 1), (400, kv_storage.PLAN_STEP + 16)],
+    ids=["one-past-the-step", "within-25%-of-a-long-prompt"],
+)
 @torch.inference_mode()
 def test_reserve_ahead_stores_the_first_write_exactly_when_the_plan_is_further(
-    patched: Any, entry_class: type, allocations: list[kv_storage.KVStorage]
+    patched: Any,
+    entry_class: type,
+    allocations: list[kv_storage.KVStorage],
+    prompt: int,
+    ahead: int,
 ) -> None:
-    """One position beyond a step: the prompt exactly (no future positions during its forward
-    pass), then the planned total at the first new token."""
+    """More than PLAN_STEP positions ahead (even when within 25% of a long prompt): the prompt
+    exactly (no future positions during its forward pass, where memory peaks), then the planned
+    total at the first new token."""
     entry = new_entry(entry_class)
-    ahead = kv_storage.PLAN_STEP + 1
     with kv_storage.reserve_ahead(ahead):
-        entry.append(*kv(12))
+        entry.append(*kv(prompt))
         for _ in range(ahead):
             entry.append(*kv(1))
-    assert [storage.capacity for storage in allocations] == [12, 12 + ahead]
-    assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == 12 + ahead
+    assert [storage.capacity for storage in allocations] == [prompt, prompt + ahead]
+    assert entry.__dict__[STORAGE] is allocations[-1] and allocations[-1].length == prompt + ahead
 
 
 @torch.inference_mode()
@@ -274,12 +283,12 @@ def _assert_final_length_once_per_layer(
 ) -> None:
     """Each layer ends in one buffer of exactly the final length, reached in one allocation.
 
-    A short generation (the final length within one growth step of the prompt) allocates it with
-    the prompt; a longer one first stores the prompt exactly.
+    A short generation (the final length at most PLAN_STEP positions beyond the prompt)
+    allocates it with the prompt; a longer one first stores the prompt exactly.
     """
     # The last sampled token is never fed back, so the cache ends at prompt + new - 1.
     final = prompt_length + new - 1
-    short = final - prompt_length <= max(prompt_length // 4, kv_storage.PLAN_STEP)
+    short = final - prompt_length <= kv_storage.PLAN_STEP
     assert len(allocations) == (layers if short else 2 * layers)
     if not short:
         for storage in allocations[:layers]:
