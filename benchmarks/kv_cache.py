@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import safelens_tl
-from safelens_tl import kv_storage, targets
+from safelens_tl import kv_cache, kv_storage, targets
 
 BATCH, HEADS, D_HEAD = 4, 8, 64
 
@@ -169,11 +169,13 @@ def median_paired_ratio(numerators: list[float], denominators: list[float]) -> f
 # Append -----------------------------------------------------------------------------------------
 
 
-def _append_cfg(layout: targets.Layout, n_ctx: int) -> Any:
+def _append_cfg(
+    layout: targets.Layout, n_ctx: int, heads: int = HEADS, d_head: int = D_HEAD
+) -> Any:
     return layout.config_class()(
-        d_model=HEADS * D_HEAD,
-        d_head=D_HEAD,
-        n_heads=HEADS,
+        d_model=heads * d_head,
+        d_head=d_head,
+        n_heads=heads,
         n_layers=1,
         n_ctx=n_ctx,
         act_fn="relu",
@@ -298,15 +300,7 @@ def step_append(layout: targets.Layout, cached: int, count: int, on: bool) -> fl
     prompt under its plan, so the appends go in place, as every step of a short generation does.
     """
     heads, d_head = _tiny_shape()
-    cfg = layout.config_class()(
-        d_model=heads * d_head,
-        d_head=d_head,
-        n_heads=heads,
-        n_layers=1,
-        n_ctx=cached + count,
-        act_fn="relu",
-        dtype=torch.float32,
-    )
+    cfg = _append_cfg(layout, cached + count, heads, d_head)
     past_keys, past_values = (
         torch.randn(1, cached, heads, d_head),
         torch.randn(1, cached, heads, d_head),
@@ -500,6 +494,13 @@ def _stop_token(model: Any, tokens: torch.Tensor, after: int) -> int:
     return int(generated[0, -1])
 
 
+def _stopping(stop_token: int | None) -> dict[str, Any]:
+    """``generate`` keywords: stop at ``stop_token`` as EOS, or never stop early (``None``)."""
+    if stop_token is None:
+        return {"stop_at_eos": False}
+    return {"stop_at_eos": True, "eos_token_id": stop_token}
+
+
 def generation_rise(
     model: Any, tokens: torch.Tensor, new: int, on: bool, stop_after: int = 0
 ) -> int:
@@ -509,9 +510,7 @@ def generation_rise(
     before ``generate``; the peak afterwards minus the RSS before is what the generation needed.
     ``stop_after``: make the token generated at that step the EOS token (an early stop).
     """
-    stop: dict[str, Any] = {"stop_at_eos": False}
-    if stop_after:
-        stop = {"stop_at_eos": True, "eos_token_id": _stop_token(model, tokens, stop_after)}
+    stop = _stopping(_stop_token(model, tokens, stop_after) if stop_after else None)
     with patched(on):
         model.generate(tokens, max_new_tokens=2, do_sample=False, verbose=False)  # warm-up
         gc.collect()
@@ -655,9 +654,7 @@ def trace_generate(
 ) -> tuple[list[int], int]:
     """Cache bytes after each forward pass of the last of ``runs`` generations, and the most
     bytes earlier generations' caches still held meanwhile."""
-    stop: dict[str, Any] = {"stop_at_eos": False}
-    if stop_token is not None:
-        stop = {"stop_at_eos": True, "eos_token_id": stop_token}
+    stop = _stopping(stop_token)
     with patched(on):
         tracer = CacheTracer(model)
         try:
@@ -673,7 +670,7 @@ def bench_trace(sizes: Sizes, results: Results) -> None:
     """KV cache bytes after every token, stock and patched, against the issue's bound."""
     model = long_model(sizes.trace_n_ctx)
     cfg = model.cfg
-    heads = cfg.n_key_value_heads or cfg.n_heads
+    heads = kv_cache.key_value_heads(cfg)
     for label, prompt, new, batch, stop_after in sizes.trace:
         tokens = _tokens(model, prompt, batch)
         stop_token = _stop_token(model, tokens, stop_after) if stop_after else None

@@ -51,8 +51,8 @@ _reserved_ahead: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 # viewing it). Private to torch; where a release lacks it, the buffer's own reference count (which
 # counts its views outside inference mode) stands in.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-#: Tensors of our own on each buffer's storage: the buffer, its by-position view, the current view.
-_OWN_TENSORS = 3
+#: Tensors of our own on each buffer's storage: the buffer and the current view.
+_OWN_TENSORS = 2
 
 
 class _Holder:
@@ -190,13 +190,8 @@ class KVStorage:
 
     keys_view: torch.Tensor = field(init=False, repr=False)
     values_view: torch.Tensor = field(init=False, repr=False)
-    keys_by_position: torch.Tensor = field(init=False, repr=False)
-    values_by_position: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # The buffers seen as [batch, capacity, heads, d_head], for the general (slow) path.
-        self.keys_by_position = self.keys.transpose(1, 2)
-        self.values_by_position = self.values.transpose(1, 2)
         # What the per-token path compares and builds with, read once per buffer: a tensor's
         # shape, dtype or device costs a fresh Python object per read, and a view made with
         # as_strided from the buffer itself costs about half a narrow() of its transposed view.
@@ -204,8 +199,9 @@ class KVStorage:
         self._capacity = int(keys.size(2))
         self._key_layout = (int(keys.size(0)), int(keys.size(1)), int(keys.size(3)))
         self._value_layout = (int(values.size(0)), int(values.size(1)), int(values.size(3)))
-        self._key_strides = self.keys_by_position.stride()
-        self._value_strides = self.values_by_position.stride()
+        # Strides of the buffers seen as [batch, capacity, heads, d_head], the views' layout.
+        self._key_strides = keys.transpose(1, 2).stride()
+        self._value_strides = values.transpose(1, 2).stride()
         self._key_position_stride = self._key_strides[1]
         self._value_position_stride = self._value_strides[1]
         self._dtype, self._values_dtype = keys.dtype, values.dtype
@@ -335,7 +331,7 @@ class KVStorage:
         key_strides, value_strides = self._key_strides, self._value_strides
         # Views made with as_strided from the buffers themselves: the cheapest view torch offers
         # from Python (this runs once per token per layer); they equal
-        # keys_by_position.narrow(1, start, positions) and .narrow(1, 0, stop).
+        # keys.transpose(1, 2).narrow(1, start, positions) and .narrow(1, 0, stop).
         keys.as_strided(new_keys.shape, key_strides, start * self._key_position_stride).copy_(
             new_keys
         )

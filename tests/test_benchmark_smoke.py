@@ -14,17 +14,22 @@ from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_cache.py"
 
 
-def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
-    output = tmp_path / "results.json"
+def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<name>`` offline, with auto-activation off, and capture its output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAFELENS_TL_AUTOPATCH": "0"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--json", str(output)],
+    return subprocess.run(
+        [sys.executable, str(BENCHMARK.parent / name), *arguments],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
+    output = tmp_path / "results.json"
+    done = run_script("kv_cache.py", "--quick", "--json", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "append (batch" in done.stdout and ", ratios" in done.stdout
     results = json.loads(output.read_text())
@@ -81,40 +86,20 @@ def _assert_cache_bytes_stay_within_the_bound(trace: list[dict[str, Any]]) -> No
 
 
 def test_benchmark_refuses_an_unknown_section() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--only", "append,speed"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("kv_cache.py", "--quick", "--only", "append,speed")
     assert done.returncode == 2
     assert "--only: expected some of append" in done.stderr and "'append,speed'" in done.stderr
 
 
 def test_fresh_memory_copy_prints_its_table() -> None:
-    script = BENCHMARK.parent / "fresh_memory_copy.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("fresh_memory_copy.py", "--rounds", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "into fresh memory" in done.stdout
     assert all(str(cached) in done.stdout for cached in (1024, 4096, 8192))
 
 
 def test_append_floor_prints_its_table() -> None:
-    script = BENCHMARK.parent / "append_floor.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--cached", "8,32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("append_floor.py", "--cached", "8,32")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch calls of one append" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
