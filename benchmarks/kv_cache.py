@@ -46,6 +46,9 @@ class Sizes:
     step_lengths: tuple[int, ...]
     step_appends: int
     step_rounds: int
+    # Instruction counts (valgrind): (prompt, new tokens) at batch 1, rounds.
+    instruction_generations: tuple[tuple[int, int], ...]
+    instruction_rounds: int
     # label, prompt, new tokens, batch, rounds; "long" runs on the long model, the rest on the
     # verifier's tiny GPT-2-like model (a generation is short, and noisy on 2 cores).
     generations: tuple[tuple[str, int, int, int, int], ...]
@@ -67,9 +70,11 @@ FULL = Sizes(
     5,
     4,
     64,
-    (8, 32, 128),
+    (8, 32, 128, 512, 2048),
     16,
     15,
+    ((8, 48), (1, 16)),
+    5,
     (("short", 8, 48, 1, 41), ("shortest", 1, 16, 1, 61), ("long", 640, 160, 4, 9)),
     1024,
     5,
@@ -94,6 +99,8 @@ QUICK = Sizes(
     (8, 32),
     4,
     1,
+    ((1, 2),),
+    1,
     (("short", 4, 6, 1, 1), ("shortest", 1, 4, 1, 1), ("long", 24, 8, 2, 1)),
     64,
     0,
@@ -106,7 +113,16 @@ QUICK = Sizes(
 )
 
 #: The measurements, in the order they run; ``--only`` picks some of them.
-SECTIONS = ("append", "step", "generate", "memory", "trace", "autocast", "bridge")
+SECTIONS = (
+    "append",
+    "step",
+    "instructions",
+    "generate",
+    "memory",
+    "trace",
+    "autocast",
+    "bridge",
+)
 
 
 @dataclass
@@ -116,6 +132,7 @@ class Results:
     machine: dict[str, str] = field(default_factory=dict)
     append: list[dict[str, float]] = field(default_factory=list)
     step: list[dict[str, Any]] = field(default_factory=list)
+    instructions: list[dict[str, Any]] = field(default_factory=list)
     generate: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)
@@ -293,11 +310,20 @@ def _tiny_shape() -> tuple[int, int]:
     return int(models.GPT2_LIKE["n_heads"]), int(models.GPT2_LIKE["d_head"])
 
 
-def step_append(layout: targets.Layout, cached: int, count: int, on: bool) -> float:
+#: The per-token variants: stock; patched as users get it (a cache up to SMALL_CACHE_BYTES is
+#: appended with torch.cat, a larger one written in place); patched with every cache in a buffer.
+STEP_VARIANTS: dict[str, int | None] = {
+    "stock": None,
+    "patched": kv_storage.SMALL_CACHE_BYTES,
+    "buffer": 0,
+}
+
+
+def step_append(layout: targets.Layout, cached: int, count: int, variant: str) -> float:
     """Seconds per one-token append on the short generation's shape (batch 1), ``cached`` past.
 
-    Stock appends with ``torch.cat``; patched, the past was written as ``generate`` writes a
-    prompt under its plan, so the appends go in place, as every step of a short generation does.
+    Stock appends with ``torch.cat``. Patched, the past was written as ``generate`` writes a
+    prompt under its plan, under the variant's small-cache limit (:data:`STEP_VARIANTS`).
     """
     heads, d_head = _tiny_shape()
     cfg = _append_cfg(layout, cached + count, heads, d_head)
@@ -306,11 +332,12 @@ def step_append(layout: targets.Layout, cached: int, count: int, on: bool) -> fl
         torch.randn(1, cached, heads, d_head),
     )
     keys, values = torch.randn(1, 1, heads, d_head), torch.randn(1, 1, heads, d_head)
-    with patched(on), torch.inference_mode():
+    limit = STEP_VARIANTS[variant]
+    with patched(limit is not None), torch.inference_mode():
         entry_class: Any = layout.entry_class
         entry = entry_class.init_cache_entry(cfg, "cpu", 1)
-        if on:
-            with kv_storage.reserve_ahead(count):
+        if limit is not None:
+            with kv_storage.reserve_ahead(count), kv_storage.small_cache_limit(limit):
                 entry.append(past_keys, past_values)
         else:
             entry.past_keys, entry.past_values = past_keys, past_values
@@ -322,18 +349,19 @@ def step_append(layout: targets.Layout, cached: int, count: int, on: bool) -> fl
 
 
 def appends_in_generate(
-    layout: targets.Layout, model: Any, tokens: torch.Tensor, new: int, on: bool
+    layout: targets.Layout, model: Any, tokens: torch.Tensor, new: int, variant: str
 ) -> float:
     """Seconds per call of the entry's ``append`` inside one real ``generate`` (all layers, all
     steps, the prompt's write included).
 
     Unlike :func:`step_append`, whose loop keeps everything in the CPU's caches, here TL's own
     forward pass runs between two appends, as it does for users. The timer around each call
-    costs about 0.1 µs, the same for stock and patched.
+    costs about 0.1 µs, the same for every variant.
     """
     entry_class: Any = layout.entry_class
     spent = [0.0, 0]
-    with patched(on):
+    limit = STEP_VARIANTS[variant]
+    with patched(limit is not None), kv_storage.small_cache_limit(limit or 0):
         append = entry_class.__dict__["append"]
 
         def timed(self: Any, new_keys: torch.Tensor, new_values: torch.Tensor) -> Any:
@@ -355,14 +383,15 @@ def appends_in_generate(
 
 
 def bench_step(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
-    """Per-token cost of one append at small cached lengths, stock ``torch.cat`` and patched;
-    and per append inside a real short ``generate`` (where the release has HookedTransformer)."""
+    """Per-token cost of one append at small cached lengths, stock ``torch.cat`` and patched
+    (as users get it, and with buffers only); and per append inside a real short ``generate``
+    (where the release has HookedTransformer)."""
     for cached in sizes.step_lengths:
         best = best_of(
             sizes.step_rounds,
             {
-                on_name: functools.partial(step_append, layout, cached, sizes.step_appends, on)
-                for on_name, on in (("stock", False), ("patched", True))
+                variant: functools.partial(step_append, layout, cached, sizes.step_appends, variant)
+                for variant in STEP_VARIANTS
             },
         )
         results.step.append({"cached": cached, **{k: v * 1e6 for k, v in best.items()}})
@@ -377,8 +406,8 @@ def bench_step(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
     best_of(
         rounds,
         {
-            on_name: functools.partial(appends_in_generate, layout, model, tokens, new, on)
-            for on_name, on in (("stock", False), ("patched", True))
+            variant: functools.partial(appends_in_generate, layout, model, tokens, new, variant)
+            for variant in STEP_VARIANTS
         },
         samples,
     )
@@ -389,6 +418,22 @@ def bench_step(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
             **{k: statistics.median(v) * 1e6 for k, v in samples.items()},
         }
     )
+
+
+# Instructions -----------------------------------------------------------------------------------
+
+
+def bench_instructions(sizes: Sizes, results: Results) -> None:
+    """Instructions per ``generate``, stock and patched, counted by valgrind (see
+    ``benchmarks/instruction_counts.py``); skipped with a note where valgrind is missing."""
+    import instruction_counts  # this script's own folder is on sys.path
+
+    rows, reason = instruction_counts.measure(
+        sizes.instruction_generations, sizes.instruction_rounds
+    )
+    if reason is not None:
+        results.notes.append(f"instructions skipped: {reason}")
+    results.instructions = rows
 
 
 # Generate ---------------------------------------------------------------------------------------
@@ -828,20 +873,29 @@ def report(results: Results) -> None:
             title=f"per-token append on the short generation's shape (batch 1, {heads} heads, "
             f"d_head {d_head}, fp32), µs"
         )
-        for column in ("cached", "stock torch.cat", "patched", "patched - stock", "stock/patched"):
+        columns = ["cached", "cached KiB", "stock torch.cat", "patched", "patched - stock"]
+        columns += ["stock/patched", "buffer only", "stock/buffer"]
+        for column in columns:
             table.add_column(column, justify="right")
         for row in results.step:
-            where = str(int(row["cached"]))
+            where, kib = str(int(row["cached"])), f"{row['cached'] * heads * d_head * 4 / 1024:g}"
             if row["cached"] < 0:  # inside generate: median of rounds, mean over its appends
-                where = f"in generate {row['generation']}"
+                where, kib = f"in generate {row['generation']}", ""
             table.add_row(
                 where,
+                kib,
                 f"{row['stock']:.2f}",
                 f"{row['patched']:.2f}",
                 f"{row['patched'] - row['stock']:+.2f}",
                 _ratio(row["stock"] / row["patched"]),
+                f"{row['buffer']:.2f}",
+                _ratio(row["stock"] / row["buffer"]),
             )
         console.print(table)
+    if results.instructions:
+        import instruction_counts
+
+        console.print(instruction_counts.table(results.instructions))
     if results.generate:
         rounds = "/".join(str(int(row["rounds"])) for row in results.generate)
         clock = "CPU time" if results.generate[0].get("clock") == "cpu" else "wall clock"
@@ -986,13 +1040,14 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, Callable[[], None]] = {
         "append": functools.partial(bench_append, layout, sizes, results),
         "step": functools.partial(bench_step, layout, sizes, results),
+        "instructions": functools.partial(bench_instructions, sizes, results),
         "generate": functools.partial(bench_generate, sizes, results, args.clock),
         "memory": functools.partial(bench_memory, sizes, results),
         "trace": functools.partial(bench_trace, sizes, results),
         "autocast": functools.partial(bench_autocast, sizes, results),
         "bridge": functools.partial(bench_bridge, sizes, results),
     }
-    needs_hooked = {"generate", "memory", "trace", "autocast"}
+    needs_hooked = {"instructions", "generate", "memory", "trace", "autocast"}
     skipped = [name for name in sections if name in needs_hooked and not hooked]
     if skipped:
         results.notes.append(

@@ -1,9 +1,12 @@
 """The replacement ``init_cache_entry`` and ``append`` of TransformerLens's KV-cache entry.
 
 Policy, per append: the stored past and the returned tensors take the dtype and device of the keys
-just computed (values follow keys); input is validated before anything changes; the write itself is
-delegated to :mod:`safelens_tl.kv_storage` (in place, amortized O(1)) except where autograd or
-``frozen`` need a fresh tensor, where ``torch.cat`` is used exactly as stock does.
+just computed (values follow keys); input is validated before anything changes. How the step is
+stored depends on size: a small cache (:class:`~safelens_tl.kv_storage.SmallCache`, up to
+:data:`~safelens_tl.kv_storage.SMALL_CACHE_BYTES` per tensor) is appended with ``torch.cat`` as
+stock does, since at that size one ``cat`` is cheaper than an in-place write; a larger one lives
+in a :class:`~safelens_tl.kv_storage.KVStorage` buffer, written in place (amortized O(1)). Where
+autograd or ``frozen`` need a fresh tensor, ``torch.cat`` is used at any size.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import torch
 from safelens_tl import kv_storage
 
 _STORAGE = "_safelens_storage"
+_SMALL = "_safelens_small"
 _LIMIT = "_safelens_n_ctx"
 _LAYER = "_safelens_layer"
+# Read once: a module attribute lookup per token per layer is a measurable share of a small step.
+_TENSOR = torch.Tensor
 
 
 def resolve_dtype(value: object) -> torch.dtype:
@@ -46,6 +52,8 @@ def key_value_heads(cfg: Any) -> int:
 
 
 def _require_cfg_fields(cfg: Any) -> None:
+    if getattr(cfg, "n_heads", None) is not None and getattr(cfg, "d_head", None) is not None:
+        return  # every real config: spare it building the list below
     missing = [name for name in ("n_heads", "d_head") if getattr(cfg, name, None) is None]
     if missing:
         raise ValueError(
@@ -147,12 +155,54 @@ def _validate(
         )
 
 
+def _plainly_valid(past_keys: Any, past_values: Any, new_keys: Any, new_values: Any) -> bool:
+    """Whether :func:`_validate` would accept this input, answered quickly for the common case.
+
+    ``True`` only for input ``_validate`` accepts (exact tensors, 4-dim, floating, agreeing
+    shapes, no meta mismatch on a non-empty past); ``False`` means "ask ``_validate``", which
+    either accepts or raises the error that says what is wrong. Run once per layer per
+    ``generate`` (the prompt's write), where the full checks cost as much as the write itself.
+    """
+    if not (
+        type(new_keys) is _TENSOR
+        and type(new_values) is _TENSOR
+        and type(past_keys) is _TENSOR
+        and type(past_values) is _TENSOR
+    ):
+        return False
+    key_shape, value_shape = new_keys.shape, new_values.shape
+    past_key_shape, past_value_shape = past_keys.shape, past_values.shape
+    if not (
+        len(key_shape) == len(value_shape) == len(past_key_shape) == len(past_value_shape) == 4
+    ):
+        return False
+    batch, positions, _, _ = key_shape
+    cached = past_key_shape[1]
+    return (
+        new_keys.dtype.is_floating_point
+        and new_values.dtype.is_floating_point
+        and value_shape[0] == batch
+        and value_shape[1] == positions
+        and past_key_shape[0] == batch
+        and past_key_shape[2] == key_shape[2]
+        and past_key_shape[3] == key_shape[3]
+        and past_value_shape[0] == batch
+        and past_value_shape[2] == value_shape[2]
+        and past_value_shape[3] == value_shape[3]
+        and past_value_shape[1] == cached
+        and (
+            cached == 0
+            or (past_keys.is_meta == new_keys.is_meta and past_values.is_meta == new_values.is_meta)
+        )
+    )
+
+
 def _concat(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    if past.size(1) == 0:
+    if past.shape[1] == 0:
         # An empty past adds nothing but may sit on meta or in another dtype; clone() copies
-        # like cat would, with the same (identity) gradient.
-        return new.clone()
-    return torch.cat([past.to(device=new.device, dtype=new.dtype), new], dim=1)
+        # like cat would (contiguous), with the same (identity) gradient.
+        return new.clone(memory_format=torch.contiguous_format)
+    return torch.cat((past.to(device=new.device, dtype=new.dtype), new), 1)
 
 
 def append(
@@ -160,6 +210,33 @@ def append(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
     state = self.__dict__
+    small: kv_storage.SmallCache | None = state.get(_SMALL)
+    if small is not None:
+        # A small cache (every step of a short generation): stock's torch.cat, checked as cheaply
+        # as torch allows (each check here costs a visible share of a step on a small model).
+        keys, values, dtype = small.keys, small.values, small.dtype
+        try:
+            if (
+                self.past_keys is keys
+                and self.past_values is values
+                and new_keys.dtype is dtype
+                and new_values.dtype is dtype
+            ):
+                keys = torch.cat((keys, new_keys), 1)
+                values = torch.cat((values, new_values), 1)
+                # Sizes after the fact: more positions than before, within the limit, as many
+                # for values as for keys. Otherwise these results are dropped unseen.
+                nbytes = keys.nbytes
+                if small.nbytes < nbytes <= small.max_bytes and values.nbytes == nbytes:
+                    if not self.frozen:
+                        small.keys, small.values, small.nbytes = keys, values, nbytes
+                        self.past_keys, self.past_values = keys, values
+                    return keys, values
+        except (AttributeError, RuntimeError):
+            # Not tensors, or batch, heads, d_head or device disagree (torch.cat refuses tensors
+            # on different devices, meta included): the checked path moves or says what is wrong.
+            pass
+        return _append_checked(self, None, new_keys, new_values)
     storage: kv_storage.KVStorage | None = state.get(_STORAGE)
     # Per-token fast path (every step of generate): try_append accepts only a plain step that the
     # full path below would also write in place, and changes nothing when it refuses.
@@ -182,11 +259,13 @@ def _append_checked(
     new_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The full append: validation, copy-on-write, dtype and device policy, growth."""
+    state = self.__dict__
     # Before this function holds any reference to the views: is an earlier view still held
     # elsewhere? Then this step is written to a new buffer (copy-on-write; see kv_storage).
-    private = storage is not None and not storage.shared_outside(self.__dict__)
+    private = storage is not None and not storage.shared_outside(state)
     past_keys, past_values = self.past_keys, self.past_values
-    _validate(self, past_keys, past_values, new_keys, new_values)
+    if not _plainly_valid(past_keys, past_values, new_keys, new_values):
+        _validate(self, past_keys, past_values, new_keys, new_values)
     if new_values.dtype != new_keys.dtype or new_values.device != new_keys.device:
         new_values = new_values.to(device=new_keys.device, dtype=new_keys.dtype)
 
@@ -195,21 +274,46 @@ def _append_checked(
     if self.frozen or torch.is_grad_enabled():
         keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
         if not self.frozen:
-            self.__dict__.pop(_STORAGE, None)
+            state.pop(_STORAGE, None)
+            state.pop(_SMALL, None)
             self.past_keys, self.past_values = keys, values
         return keys, values
 
     ours = storage is not None and storage.backs(past_keys, past_values)
     if storage is not None and ours and private and storage.can_write(new_keys, new_values):
         storage.write(new_keys, new_values)
-    else:
-        # A plan (reserve_ahead) is kept only while the past is still ours: a reassigned past
-        # (truncation, beam search) grows by the usual 25% instead.
-        planned = storage.planned if storage is not None and ours else None
-        storage = kv_storage.allocate(
-            past_keys, past_values, new_keys, new_values, self.__dict__.get(_LIMIT), planned
-        )
-        self.__dict__[_STORAGE] = storage
+        self.past_keys, self.past_values = storage.keys_view, storage.values_view
+        return storage.keys_view, storage.values_view
+
+    # A plan (reserve_ahead) is kept only while the past is still ours: a reassigned past
+    # (truncation, beam search) grows by the usual 25% instead.
+    small: kv_storage.SmallCache | None = state.get(_SMALL)
+    planned = None
+    if storage is not None and ours:
+        planned = storage.planned
+    elif small is not None and past_keys is small.keys and past_values is small.values:
+        planned = small.planned
+    cached = past_keys.shape[1]
+    length = cached + new_keys.shape[1]
+    limit = kv_storage.small_cache_bytes()
+    if length <= kv_storage.small_cache_positions(new_keys, limit):
+        if cached == 0:  # the first write (the prompt): a contiguous copy, as stock's cat makes
+            contiguous = torch.contiguous_format
+            keys = new_keys.clone(memory_format=contiguous)
+            values = new_values.clone(memory_format=contiguous)
+            if planned is None:
+                planned = kv_storage.plan_for_first_write(length)
+        else:
+            keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
+        state.pop(_STORAGE, None)
+        state[_SMALL] = kv_storage.SmallCache(keys, values, keys.nbytes, limit, planned, keys.dtype)
+        self.past_keys, self.past_values = keys, values
+        return keys, values
+    storage = kv_storage.allocate(
+        past_keys, past_values, new_keys, new_values, state.get(_LIMIT), planned
+    )
+    state.pop(_SMALL, None)
+    state[_STORAGE] = storage
     self.past_keys, self.past_values = storage.keys_view, storage.values_view
     return storage.keys_view, storage.values_view
 
@@ -242,7 +346,13 @@ def append_attention_mask(self: Any, attention_mask: torch.Tensor) -> torch.Tens
     on a stale device; here the past mask follows the computation instead.
     """
     previous = self.previous_attention_mask
-    if previous.device != attention_mask.device:
+    try:
+        # torch.cat refuses masks on different devices (meta included); only then is the past
+        # moved. Trying first spares every step two device lookups.
+        updated = torch.cat((previous, attention_mask), -1)
+    except RuntimeError:
+        if previous.device == attention_mask.device:
+            raise  # not a device mismatch: torch's own error says what is wrong
         if previous.numel() == 0:
             # Empty tensors on meta cannot be copied anywhere: allocate a new one.
             previous = torch.empty(
@@ -250,7 +360,7 @@ def append_attention_mask(self: Any, attention_mask: torch.Tensor) -> torch.Tens
             )
         else:
             previous = previous.to(attention_mask.device)
-    updated = torch.cat([previous, attention_mask], dim=-1)
+        updated = torch.cat((previous, attention_mask), -1)
     if not self.frozen:
         self.previous_attention_mask = updated
     return updated

@@ -16,6 +16,11 @@ Layout: the buffers are head-major, ``[batch, heads, capacity, d_head]``, and ha
 ``[batch, pos, heads, d_head]`` views, so that attention reads them without a copy (see
 :class:`KVStorage`).
 
+Small caches: a cache of at most :data:`SMALL_CACHE_BYTES` per tensor is not put in a buffer at
+all. It is appended with ``torch.cat`` as stock does (see :class:`SmallCache`): at a few KiB, one
+``cat`` costs less than the two views and the copy an in-place write needs, and a short generation
+on a small model never leaves this size.
+
 Capacity: a new buffer holds the needed positions plus 25% (amortized O(1) appends, at most 25%
 spare), capped at the model's ``n_ctx``. Where the final length is known, a reservation sizes
 buffers exactly instead: :func:`reserve` (a total) or :func:`reserve_ahead` (positions beyond the
@@ -24,11 +29,12 @@ first write, used by ``generate``, whose prompt length is only known once it is 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +45,15 @@ _GROWTH_NUMERATOR, _GROWTH_DENOMINATOR = 5, 4
 #: more than max(1.25 x, + PLAN_STEP positions) of what stock holds at that moment.
 PLAN_STEP = 64
 
+#: Caches whose keys (or values) would hold at most this many bytes are appended with ``torch.cat``
+#: (:class:`SmallCache`); larger ones live in a buffer. 64 KiB: where the in-place write, which
+#: costs about twice a ``cat``'s fixed overhead, starts to save more copying than it adds (see the
+#: ``step`` and ``instructions`` sections of ``benchmarks/kv_cache.py``).
+SMALL_CACHE_BYTES = 64 * 1024
+
+_small_cache_bytes: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "safelens_tl_small_cache_bytes", default=SMALL_CACHE_BYTES
+)
 _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_positions", default=None
 )
@@ -90,30 +105,42 @@ def _other_tensors_share(buffer: torch.Tensor, address: int) -> bool:
     return int(buffer._use_count()) > _OWN_TENSORS  # type: ignore[attr-defined]
 
 
-def _require_count(name: str, value: object) -> int:
+def _require_count(name: str, value: object, unit: str = "a number of cached positions") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{name} must be a non-negative int (a number of cached positions); received {value!r}"
-        )
+        raise ValueError(f"{name} must be a non-negative int ({unit}); received {value!r}")
     return value
 
 
-@contextlib.contextmanager
-def reserve(total_positions: int) -> Iterator[None]:
+class _Setting(AbstractContextManager[None]):
+    """A ``with`` block during which a context variable holds a value.
+
+    What :func:`reserve`, :func:`reserve_ahead` and :func:`small_cache_limit` return. A class,
+    not ``contextlib.contextmanager``: ``generate`` enters one at every call, and a generator-based
+    context manager costs several times more (about 10,000 instructions, against 2,000).
+    """
+
+    __slots__ = ("_token", "_value", "_variable")
+
+    def __init__(self, variable: contextvars.ContextVar[Any], value: int) -> None:
+        self._variable, self._value = variable, value
+
+    def __enter__(self) -> None:
+        self._token = self._variable.set(self._value)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._variable.reset(self._token)
+
+
+def reserve(total_positions: int) -> AbstractContextManager[None]:
     """Within this block, size new buffers for ``total_positions`` cached positions at once.
 
     Used when the final length is known: reserving exactly avoids both regrowth copies and spare
     capacity. A buffer that must hold more than ``total_positions`` grows as usual.
     """
-    token = _reserved_positions.set(_require_count("total_positions", total_positions))
-    try:
-        yield
-    finally:
-        _reserved_positions.reset(token)
+    return _Setting(_reserved_positions, _require_count("total_positions", total_positions))
 
 
-@contextlib.contextmanager
-def reserve_ahead(extra_positions: int) -> Iterator[None]:
+def reserve_ahead(extra_positions: int) -> AbstractContextManager[None]:
     """Within this block, plan each new cache for its first write plus ``extra_positions``.
 
     ``generate`` knows how many tokens it will add (``max_new_tokens``) but its prompt length only
@@ -130,11 +157,62 @@ def reserve_ahead(extra_positions: int) -> Iterator[None]:
     memory peaks, which a cache holding every future position would raise above stock's (on
     CUDA a buffer is allocated whole). The price is a copy of the past at each step.
     """
-    token = _reserved_ahead.set(_require_count("extra_positions", extra_positions))
-    try:
-        yield
-    finally:
-        _reserved_ahead.reset(token)
+    return _Setting(_reserved_ahead, _require_count("extra_positions", extra_positions))
+
+
+def small_cache_limit(bytes_per_tensor: int) -> AbstractContextManager[None]:
+    """Within this block, caches up to ``bytes_per_tensor`` (keys, or values) use ``torch.cat``.
+
+    The default is :data:`SMALL_CACHE_BYTES`; ``0`` puts every cache in a buffer from its first
+    write. Read when a cache is (re)stored, not at every token: a cache already appended with
+    ``torch.cat`` keeps the limit it started with.
+    """
+    limit = _require_count("bytes_per_tensor", bytes_per_tensor, "a number of bytes")
+    return _Setting(_small_cache_bytes, limit)
+
+
+def small_cache_bytes() -> int:
+    """The small-cache limit in force, in bytes per tensor; ``0`` while :func:`reserve` is in
+    force (a total reserved asks for a buffer)."""
+    if _reserved_positions.get() is not None:
+        return 0
+    return _small_cache_bytes.get()
+
+
+def small_cache_positions(step: torch.Tensor, limit: int | None = None) -> int:
+    """How many positions a cache shaped like ``step`` may hold and still use ``torch.cat``,
+    under ``limit`` bytes per tensor (default: :func:`small_cache_bytes`)."""
+    batch, _, heads, d_head = step.shape
+    per_position = batch * heads * d_head * step.element_size()
+    limit = small_cache_bytes() if limit is None else limit
+    return limit // per_position if per_position else 0
+
+
+@dataclass(eq=False, slots=True)
+class SmallCache:
+    """A small cache's keys and values, appended with ``torch.cat`` exactly as stock does.
+
+    Every step makes new tensors of exactly the cached length; nothing is ever written in place,
+    so copy-on-write has nothing to do. Updated in place at each step (cheaper, per token, than a
+    new record). Sizes are kept in bytes: ``Tensor.nbytes`` is the cheapest size torch gives.
+    """
+
+    #: The tensors last handed out; the entry still holds them unless it was reassigned.
+    keys: torch.Tensor
+    values: torch.Tensor
+    #: ``keys.nbytes``.
+    nbytes: int
+    #: Bytes ``keys`` may reach before the cache moves to a buffer (the limit when it started).
+    max_bytes: int
+    #: The total a plan (:func:`reserve_ahead`) set for this cache, carried into its buffer.
+    planned: int | None
+    #: ``keys.dtype``, which new keys and values must have for the per-token path.
+    dtype: torch.dtype
+
+    @property
+    def length(self) -> int:
+        """Positions cached."""
+        return int(self.keys.shape[1])
 
 
 def capacity_for(needed: int, limit: int | None, planned: int | None = None) -> int:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import safelens_tl
-from safelens_tl import targets
+from safelens_tl import kv_storage, targets
 
 # Hypothesis profiles (issue 6). "ci" is the default: >= 1000 property examples in a plain run.
 # The function-scoped fixtures here only reset activation, which every example may share.
@@ -65,6 +65,27 @@ def _restore_stock_after_test() -> Iterator[None]:
     safelens_tl.deactivate()
     yield
     safelens_tl.deactivate()
+
+
+#: How a test's caches are stored: "buffer" (``small_cache_limit(0)``: every cache in a buffer
+#: from its first write, which is what tests of buffers, growth and copy-on-write need) or "small"
+#: (the default limit: the caches of these tiny models are appended with torch.cat).
+CACHE_MODES = {"buffer": 0, "small": kv_storage.SMALL_CACHE_BYTES}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked ``both_cache_modes`` run once per storage mode (``cache_mode`` fixture)."""
+    if metafunc.definition.get_closest_marker("both_cache_modes") is not None:
+        metafunc.parametrize("cache_mode", list(CACHE_MODES), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def cache_mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The storage mode of this test's caches (see :data:`CACHE_MODES`); "buffer" unless the test
+    is marked ``both_cache_modes`` or sets its own limit with ``kv_storage.small_cache_limit``."""
+    mode = getattr(request, "param", "buffer")
+    with kv_storage.small_cache_limit(CACHE_MODES[mode]):
+        yield mode
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ keeps the two in step. Regenerate the table with ``python -m tests.test_bad_inpu
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import safelens_tl
+from safelens_tl import kv_storage
 from tests.conftest import LAYOUT, make_cfg
 
 BATCH, CACHED, HEADS, D_HEAD = 2, 3, 4, 8
@@ -277,16 +279,20 @@ def _filled_entry() -> Any:
 
 
 def _snapshot(entry: Any) -> dict[str, tuple[object, object]]:
-    """Every attribute by identity, and a copy of each tensor's content."""
-    return {
-        name: (
-            value,
-            value.clone() if isinstance(value, torch.Tensor) and not value.is_meta else None,
-        )
-        for name, value in vars(entry).items()
-    }
+    """Every attribute by identity, and a copy of each tensor's content (of a record's fields:
+    each field by identity, since a small cache's record is updated in place)."""
+    return {name: (value, _content(value)) for name, value in vars(entry).items()}
 
 
+def _content(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return None if value.is_meta else value.clone()
+    if isinstance(value, kv_storage.SmallCache):
+        return tuple(getattr(value, field.name) for field in dataclasses.fields(value))
+    return None
+
+
+@pytest.mark.both_cache_modes
 @pytest.mark.parametrize("case", CATALOGUE, ids=[case.id for case in CATALOGUE])
 @pytest.mark.parametrize("frozen", [False, True], ids=["live", "frozen"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -309,8 +315,12 @@ def test_bad_input_is_refused_clearly_and_changes_nothing(
     assert after.keys() == before.keys()
     for name, (value, content) in before.items():
         assert after[name] is value, f"{name} was replaced"
-        if content is not None:
+        if isinstance(content, torch.Tensor):
             assert torch.equal(after[name], content), f"{name} changed in place"
+        elif content is not None:
+            fields = dataclasses.fields(after[name])
+            now = tuple(getattr(after[name], field.name) for field in fields)
+            assert all(a is b for a, b in zip(now, content, strict=True)), f"{name} was updated"
 
 
 def test_errors_name_the_layer(cache_class: type) -> None:

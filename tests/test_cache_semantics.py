@@ -44,6 +44,7 @@ def filled(patched: bool, positions: tuple[int, ...] = (3, 1)) -> Any:
     return entry
 
 
+@pytest.mark.both_cache_modes
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
 def test_a_snapshot_does_not_change_when_the_live_cache_is_edited(patched: bool) -> None:
     entry = filled(patched)
@@ -56,6 +57,7 @@ def test_a_snapshot_does_not_change_when_the_live_cache_is_edited(patched: bool)
     assert torch.count_nonzero(entry.past_keys[:, 2]) == 0
 
 
+@pytest.mark.both_cache_modes
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
 def test_editing_an_old_tensor_does_not_change_the_live_cache(patched: bool) -> None:
     entry = filled(patched)
@@ -87,6 +89,7 @@ def test_nothing_held_means_writing_in_place(patched: Any) -> None:
     assert entry.__dict__["_safelens_storage"] is storage
 
 
+@pytest.mark.both_cache_modes
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
 def test_backward_works_after_a_no_grad_append(patched: bool) -> None:
     entry = filled(patched)
@@ -112,6 +115,7 @@ def test_a_pickle_is_what_stock_would_write() -> None:
     assert torch.equal(loaded.past_keys, pickle.loads(stock).past_keys)
 
 
+@pytest.mark.both_cache_modes
 @pytest.mark.parametrize("duplicate", [copy.deepcopy, copy.copy])
 def test_copies_are_independent_and_exact(patched: Any, duplicate: Any) -> None:
     entry = filled(True, positions=(5, 1))
@@ -146,20 +150,28 @@ def test_a_pickle_loads_where_safelens_tl_is_absent(tmp_path: Path) -> None:
     assert done.stdout.split()[:4] == ["(1,", "7,", f"{HEADS},", f"{D_HEAD})"]
 
 
+@pytest.mark.parametrize("small_positions", [0, 100], ids=["buffer", "small-then-buffer"])
 @pytest.mark.parametrize("ahead", [30_000, 100])
-def test_a_plan_never_holds_much_more_than_stock(patched: Any, ahead: int) -> None:
+def test_a_plan_never_holds_much_more_than_stock(
+    patched: Any, ahead: int, small_positions: int
+) -> None:
     """``generate(max_new_tokens=30000)`` stopping after a few tokens (EOS): at each step the
-    cache holds at most max(1.25 x, + PLAN_STEP positions) of what stock holds then."""
+    cache holds at most max(1.25 x, + PLAN_STEP positions) of what stock holds then. A small cache
+    holds exactly what stock holds, and carries the plan into its buffer when it outgrows the
+    small-cache limit."""
     entry = LAYOUT.entry_class.init_cache_entry(
         make_cfg(n_heads=HEADS, d_head=D_HEAD, n_ctx=100_000), "cpu", 1
     )
     capacities = []
-    with torch.no_grad(), kv_storage.reserve_ahead(ahead):
+    limit = small_positions * HEADS * D_HEAD * 4  # float32
+    with torch.no_grad(), kv_storage.reserve_ahead(ahead), kv_storage.small_cache_limit(limit):
         entry.append(*step(40))  # the prompt
         for _ in range(min(ahead, 300)):
             entry.append(*step())
             length = entry.past_keys.shape[1]
-            capacity = entry.__dict__["_safelens_storage"].capacity
+            storage = entry.__dict__.get("_safelens_storage")
+            assert (storage is None) == (length <= small_positions), length
+            capacity = length if storage is None else storage.capacity
             assert capacity <= max(length * 5 // 4, length + kv_storage.PLAN_STEP), length
             capacities.append(capacity)
     if ahead == 100:  # a plan within reach ends exactly at the planned length

@@ -10,7 +10,7 @@ import torch
 from safelens_tl.verify import checks
 from tests.conftest import RELEASE, requires_hooked_transformer
 
-pytestmark = requires_hooked_transformer
+pytestmark = [requires_hooked_transformer, pytest.mark.both_cache_modes]
 
 MODELS = ["gpt2-like", "llama-like-gqa"]
 HALF_DTYPES = [torch.float16, torch.bfloat16]

@@ -12,6 +12,9 @@ import torch
 from safelens_tl import kv_cache
 from tests.conftest import make_cfg
 
+# Every rule holds for small caches (torch.cat) and for buffers alike.
+pytestmark = pytest.mark.both_cache_modes
+
 BATCH, HEADS, D_HEAD = 2, 4, 8
 
 

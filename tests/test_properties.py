@@ -5,7 +5,9 @@ appends of 1..N positions in fp32/fp16/bf16 under grad mode, ``torch.no_grad`` o
 ``torch.inference_mode``; frozen toggles; truncating reassignment of ``past_keys``/``past_values``
 (as views of the cache or as the user's own copies); a reset to an empty past on ``meta``; a
 non-empty ``meta`` past (which the next append must refuse with a ``ValueError``); and a
-keys/values length mismatch (also refused). After every operation the returned tensors and the
+keys/values length mismatch (also refused). The small-cache limit is drawn too, so that programs run
+with small caches (``torch.cat``), with buffers, and across the move from one to the other. After
+every operation the returned tensors and the
 stored state must equal the reference bit for bit, and every tensor handed out before must still
 hold what it held when it was handed out.
 
@@ -27,10 +29,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import safelens_tl
+from safelens_tl import kv_storage
 from tests.conftest import make_cfg
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NEW = 5
+#: Small-cache limits in bytes per tensor: every cache in a buffer (0); caches that start small
+#: (appended with torch.cat) and move to a buffer after a few positions (these shapes hold 2 to
+#: 96 bytes per position); and the default, under which these caches stay small.
+SMALL_LIMITS = (0, 64, 512, kv_storage.SMALL_CACHE_BYTES)
 
 MODES: dict[str, Callable[[], AbstractContextManager[Any]]] = {
     "grad": torch.enable_grad,
@@ -217,6 +224,7 @@ def _append(
     d_head=st.sampled_from([1, 4]),
     program=operations,
     seed=st.integers(0, 2**16),
+    small_limit=st.sampled_from(SMALL_LIMITS),
 )
 def test_entry_matches_torch_cat_reference(
     entry_class: type,
@@ -227,6 +235,7 @@ def test_entry_matches_torch_cat_reference(
     d_head: int,
     program: list[tuple[Any, ...]],
     seed: int,
+    small_limit: int,
 ) -> None:
     """Any program: same returned tensors, same stored state, nothing handed out changes."""
     assert safelens_tl.activate().active
@@ -235,7 +244,8 @@ def test_entry_matches_torch_cat_reference(
     ref = Reference(entry.past_keys, entry.past_values)
     handed = Handed()
     for index, operation in enumerate(program):
-        _step(entry, ref, operation, seed + index, handed)
+        with kv_storage.small_cache_limit(small_limit):
+            _step(entry, ref, operation, seed + index, handed)
         assert entry.frozen == ref.frozen
         assert _same(entry.past_keys, ref.keys), operation
         assert _same(entry.past_values, ref.values), operation

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from safelens_tl import kv_cache, kv_storage
+
 #: Largest relative error (|cached - uncached|, relative to the largest uncached logit) allowed
 #: between cached and uncached logits of the same model in the same dtype. The two paths compute
 #: the same sums, one query at a time against a growing cache versus all queries at once, so a
@@ -80,15 +82,26 @@ def teacher_forced(model: Any, prompt_positions: int = 6) -> TeacherForced:
     """Run the padded batch through the model once uncached and once with the cache.
 
     The cached run feeds the first ``prompt_positions`` tokens at once, then one token at a time,
-    exactly like ``generate``; every position's logits are kept for comparison.
+    exactly like ``generate``; every position's logits are kept for comparison. The prompt and
+    the first two steps are kept as a small cache (``torch.cat``), the rest in a buffer written
+    in place: each way safelens-tl stores a cache, and the move between them, in one run. (Left
+    to the default limit, these tiny models' caches would stay small throughout.)
     """
     tokens, mask = padded_batch(model)
     device = model.cfg.device
     tokens, mask = tokens.to(device), mask.to(device)
     uncached = model(tokens, attention_mask=mask)
     cache = cache_class().init_cache(model.cfg, model.cfg.device, tokens.shape[0])
-    cached = cached_logits(model, tokens, mask, cache, prompt_positions)
+    small_bytes = (prompt_positions + 2) * position_bytes(model.cfg, tokens.shape[0])
+    with kv_storage.small_cache_limit(small_bytes):
+        cached = cached_logits(model, tokens, mask, cache, prompt_positions)
     return TeacherForced(cached, uncached, mask, cache)
+
+
+def position_bytes(cfg: Any, batch: int) -> int:
+    """Bytes one cached position takes in the keys (or the values) of one layer."""
+    itemsize = torch.finfo(kv_cache.resolve_dtype(cfg.dtype)).bits // 8
+    return batch * expected_cache_heads(cfg) * int(cfg.d_head) * itemsize
 
 
 @torch.inference_mode()

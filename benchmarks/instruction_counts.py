@@ -1,0 +1,245 @@
+"""Instructions executed by one ``generate``, stock against patched, counted by valgrind.
+
+Wall-clock time on a shared 2-core machine moves by several percent from one run to the next,
+more than what a short generation on a tiny model can show. The number of instructions the CPU
+executes moves by a few hundredths of a percent (see below), so it tells whether the patched
+path does more or less work than stock, without the noise. It does not see cache misses or
+memory bandwidth, which the wall-clock tables do.
+
+How: a child process runs under valgrind's callgrind tool with counting off; around each
+``generate`` (nothing else) a tiny C helper, compiled on the spot against ``valgrind/callgrind.h``,
+turns counting on and writes the count under a label. Only the main thread is counted (TL's
+progress-bar thread is switched off), less what it spent spinning on a lock (:data:`SPIN`: an
+artefact of valgrind running one thread at a time, 0.3-1 million instructions in some rounds
+and not others). Stock and patched alternate, each counted ``rounds`` times after two warm-up
+calls; the table keeps each one's smallest count, and the spread between its rounds (about
+0.1 million at 8+48, 0.03%, on the machine of docs/performance.md).
+
+Needs ``valgrind`` with its headers (Debian: ``valgrind``) and a C compiler. Without them the
+section is skipped with a note. Under valgrind everything runs ~50x slower: a full run takes a few
+minutes, most of it importing torch.
+
+Run ``python benchmarks/instruction_counts.py`` alone, or as the ``instructions`` section of
+``benchmarks/kv_cache.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HELPER_SOURCE = r"""
+#include <valgrind/callgrind.h>
+void safelens_count_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void safelens_count_stop(const char *label) {
+    CALLGRIND_STOP_INSTRUMENTATION;
+    CALLGRIND_DUMP_STATS_AT(label);
+}
+"""
+
+#: (prompt, new tokens) of each generation counted, batch 1, on the verifier's GPT-2-like model.
+GENERATIONS: tuple[tuple[int, int], ...] = ((8, 48), (1, 16))
+ROUNDS = 5
+
+
+def build_helper(folder: Path) -> Path | str:
+    """Compile the helper into ``folder``; return its path, or why it cannot be had here."""
+    if shutil.which("valgrind") is None:
+        return "valgrind is not installed"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler (cc) to build the callgrind helper"
+    source, library = folder / "helper.c", folder / "libsafelens_count.so"
+    source.write_text(HELPER_SOURCE)
+    built = subprocess.run(
+        [compiler, "-O2", "-shared", "-fPIC", "-o", str(library), str(source)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if built.returncode != 0:
+        return f"the callgrind helper did not compile (valgrind headers?): {built.stderr[-200:]}"
+    return library
+
+
+def _generate(model: Any, tokens: Any, new: int) -> Any:
+    return model.generate(
+        tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
+    )
+
+
+def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> None:
+    """Under callgrind: count each generation, stock and patched, as ``variant|prompt+new``."""
+    import ctypes
+
+    import kv_cache  # the benchmark's own helpers; this script's folder is on sys.path
+    import torch
+    import tqdm  # type: ignore[import-untyped]
+
+    from safelens_tl.verify.models import build_model
+
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread
+    sys.setswitchinterval(1000.0)  # no forced switches to other threads while counting
+    torch.set_num_threads(1)
+    counter = ctypes.CDLL(helper)
+    model = build_model("gpt2-like", torch.float32)
+    for prompt, new in generations:
+        tokens = kv_cache._tokens(model, prompt, 1)
+        for on in (False, True):
+            with kv_cache.patched(on):
+                _generate(model, tokens, new)
+                _generate(model, tokens, new)
+        for index in range(2 * rounds):
+            on = bool(index % 2) != bool(index // 2 % 2)  # stock, patched, patched, stock, ...
+            with kv_cache.patched(on):
+                gc.collect()
+                gc.disable()
+                counter.safelens_count_start()
+                _generate(model, tokens, new)
+                counter.safelens_count_stop(
+                    f"{'patched' if on else 'stock'}|{prompt}+{new}".encode()
+                )
+                gc.enable()
+
+
+#: Functions whose instructions are left out of each count: under valgrind, a thread handing over
+#: torch's or Python's lock sometimes spins in them for hundreds of thousands of instructions
+#: (+314,335 at a time, in some rounds and not others). Natively that hand-over is a few dozen.
+SPIN = "pthread_cond_"
+
+
+def _function_name(spec: str, names: dict[str, str]) -> str:
+    """A callgrind ``fn=``/``cfn=`` value: ``(id) name`` defines the id, ``(id)`` reuses it."""
+    match = re.match(r"\((\d+)\)(?: (.*))?$", spec)
+    if match is None:
+        return spec
+    if match[2] is not None:
+        names[match[1]] = match[2]
+    return names.get(match[1], "")
+
+
+def spin_instructions(text: str) -> int:
+    """Instructions a callgrind dump spent in :data:`SPIN` functions themselves (exclusive)."""
+    names: dict[str, str] = {}
+    current, after_call, spin = "", False, 0
+    for line in text.splitlines():
+        if line.startswith("fn="):
+            current = _function_name(line[3:], names)
+        elif line.startswith("cfn="):
+            _function_name(line[4:], names)
+        elif line.startswith("calls="):
+            after_call = True  # the next cost line is the callee's inclusive cost
+        elif line[:1].isdigit() or line[:1] in "+-*":
+            if after_call:
+                after_call = False
+            elif SPIN in current:
+                parts = line.split()
+                spin += int(parts[1]) if len(parts) > 1 else 0
+    return spin
+
+
+def _counts(folder: Path) -> dict[tuple[str, str], list[int]]:
+    counts: dict[tuple[str, str], list[int]] = {}
+    for dump in folder.glob("callgrind.out.*-01"):  # -01: the main thread
+        text = dump.read_text(errors="replace")
+        label = re.search(r"^desc: Trigger: Client Request: (\S+)\|(\S+)$", text, re.M)
+        total = re.search(r"^totals: (\d+)", text, re.M)
+        if label and total:
+            count = int(total[1]) - spin_instructions(text)
+            counts.setdefault((label[1], label[2]), []).append(count)
+    return counts
+
+
+def measure(
+    generations: Sequence[tuple[int, int]] = GENERATIONS, rounds: int = ROUNDS
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Count every generation; return the rows and ``None``, or no rows and why."""
+    with tempfile.TemporaryDirectory(prefix="safelens-callgrind-") as name:
+        folder = Path(name)
+        helper = build_helper(folder)
+        if isinstance(helper, str):
+            return [], helper
+        shapes = ",".join(f"{prompt}+{new}" for prompt, new in generations)
+        env = {**os.environ, "PYTHONHASHSEED": "0", "SAFELENS_TL_AUTOPATCH": "0"}
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        command = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
+        command += ["--instr-atstart=no", f"--callgrind-out-file={folder}/callgrind.out.%p"]
+        command += [sys.executable, __file__, "--child", str(helper), shapes, str(rounds)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        if done.returncode != 0:
+            return [], f"valgrind exited with {done.returncode}: {done.stderr[-300:]}"
+        counts = _counts(folder)
+    rows = []
+    for prompt, new in generations:
+        shape = f"{prompt}+{new}"
+        stock, ours = counts.get(("stock", shape), []), counts.get(("patched", shape), [])
+        if len(stock) != rounds or len(ours) != rounds:
+            return [], f"expected {rounds} counts per variant for {shape}; got {counts}"
+        rows.append(
+            {
+                "generation": shape,
+                "stock": min(stock),
+                "patched": min(ours),
+                "stock_spread": max(stock) - min(stock),
+                "patched_spread": max(ours) - min(ours),
+                "rounds": rounds,
+            }
+        )
+    return rows, None
+
+
+def table(rows: Sequence[dict[str, Any]]) -> Any:
+    """The rows as a rich table: counts in millions, and stock over patched."""
+    from rich.table import Table
+
+    result = Table(
+        title="Instructions per generate (callgrind, main thread, fewest of the rounds; "
+        "stock/patched >= 1.00: patched executes no more than stock)"
+    )
+    for column in ("generation", "stock, M", "patched, M", "stock/patched", "spread, M", "rounds"):
+        result.add_column(column, justify="right")
+    for row in rows:
+        spread = max(row["stock_spread"], row["patched_spread"]) / 1e6
+        result.add_row(
+            f"{row['generation']} b1",
+            f"{row['stock'] / 1e6:,.3f}",
+            f"{row['patched'] / 1e6:,.3f}",
+            f"{row['stock'] / row['patched']:.4f}x",
+            f"{spread:.3f}",
+            str(row["rounds"]),
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Count, print the table; ``--child`` is the part that runs under valgrind."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        helper, shapes, rounds = args.child
+        pairs = [tuple(int(n) for n in shape.split("+")) for shape in shapes.split(",")]
+        child(helper, [(prompt, new) for prompt, new in pairs], int(rounds))
+        return 0
+    from rich.console import Console
+
+    rows, reason = measure(GENERATIONS, args.rounds)
+    if reason is not None:
+        print(f"instruction counts skipped: {reason}")
+        return 0
+    Console(width=120).print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

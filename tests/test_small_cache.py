@@ -1,0 +1,197 @@
+"""Small caches: appended with ``torch.cat`` as stock does, moved to a buffer past the limit.
+
+The rules every cache follows (dtype, device, errors, snapshots, gradients, pickles) are tested in
+both storage modes by the modules marked ``both_cache_modes``; these tests cover what is particular
+to small caches: when a cache is small, what it holds, the move to a buffer, and the fast check
+that spares the prompt's write the full validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from safelens_tl import kv_cache, kv_storage
+from tests.conftest import LAYOUT, make_cfg, requires_hooked_transformer
+
+BATCH, HEADS, D_HEAD = 2, 4, 8
+#: Bytes one position of the entries here takes per tensor (float32).
+POSITION_BYTES = BATCH * HEADS * D_HEAD * 4
+
+
+@pytest.fixture(autouse=True)
+def _default_limit() -> Iterator[None]:
+    """The default limit, under which these entries are small (conftest pins buffers)."""
+    with kv_storage.small_cache_limit(kv_storage.SMALL_CACHE_BYTES):
+        yield
+
+
+def step(positions: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (BATCH, positions, HEADS, D_HEAD)
+    return torch.randn(shape), torch.randn(shape)
+
+
+def new_entry() -> Any:
+    return LAYOUT.entry_class.init_cache_entry(
+        make_cfg(n_heads=HEADS, d_head=D_HEAD, n_ctx=4096), "cpu", BATCH
+    )
+
+
+def test_the_default_limit_is_64_kib_per_tensor() -> None:
+    assert kv_storage.SMALL_CACHE_BYTES == 64 * 1024
+    keys, _ = step()
+    with kv_storage.small_cache_limit(kv_storage.SMALL_CACHE_BYTES):
+        assert kv_storage.small_cache_positions(keys) == 64 * 1024 // POSITION_BYTES
+
+
+def test_a_small_cache_moves_to_a_buffer_past_the_limit(patched: Any) -> None:
+    """Up to the limit every step is a fresh contiguous tensor, as stock's torch.cat makes; the
+    step that would pass the limit moves the cache to a buffer; the content is torch.cat's."""
+    entry = new_entry()
+    reference_keys, reference_values = entry.past_keys, entry.past_values
+    held: list[torch.Tensor] = []
+    with torch.no_grad(), kv_storage.small_cache_limit(10 * POSITION_BYTES):
+        for _ in range(14):
+            new_keys, new_values = step()
+            keys, values = entry.append(new_keys, new_values)
+            reference_keys = torch.cat([reference_keys, new_keys], 1)
+            reference_values = torch.cat([reference_values, new_values], 1)
+            assert torch.equal(keys, reference_keys) and torch.equal(values, reference_values)
+            length = keys.shape[1]
+            small = entry.__dict__.get("_safelens_small")
+            storage = entry.__dict__.get("_safelens_storage")
+            if length <= 10:
+                assert storage is None and small is not None and small.length == length
+                # Held below, so no earlier tensor's memory can have been reused.
+                assert keys.is_contiguous() and keys.data_ptr() not in {t.data_ptr() for t in held}
+                held.append(keys)
+            else:
+                assert small is None and storage is not None and storage.length == length
+
+
+def test_a_generation_plan_is_carried_into_the_buffer(patched: Any) -> None:
+    """generate's plan (reserve_ahead) is remembered by the small cache: the buffer it moves to
+    grows towards the planned total and ends exactly there."""
+    entry = new_entry()
+    with (
+        torch.no_grad(),
+        kv_storage.reserve_ahead(40),
+        kv_storage.small_cache_limit(10 * POSITION_BYTES),
+    ):
+        entry.append(*step(5))  # the prompt: planned total 45
+        assert entry.__dict__["_safelens_small"].planned == 45
+        for _ in range(40):
+            entry.append(*step())
+    storage = entry.__dict__["_safelens_storage"]
+    assert (storage.planned, storage.capacity, storage.length) == (45, 45, 45)
+
+
+def test_reserve_puts_even_a_small_cache_in_a_buffer(patched: Any) -> None:
+    entry = new_entry()
+    with torch.no_grad(), kv_storage.reserve(32):
+        entry.append(*step(2))
+    assert "_safelens_small" not in entry.__dict__
+    assert entry.__dict__["_safelens_storage"].capacity == 32
+
+
+def test_a_reassigned_past_is_honoured_and_stays_small(patched: Any) -> None:
+    entry = new_entry()
+    with torch.no_grad():
+        entry.append(*step(6))
+        entry.past_keys, entry.past_values = entry.past_keys[:, :2], entry.past_values[:, :2]
+        kept = entry.past_keys.clone()
+        new_keys, new_values = step()
+        keys, _ = entry.append(new_keys, new_values)
+    assert torch.equal(keys, torch.cat([kept, new_keys], 1))
+    assert entry.__dict__["_safelens_small"].length == 3
+
+
+def test_new_keys_on_another_device_take_the_checked_path(patched: Any) -> None:
+    """The small path leaves device mismatches to torch.cat's own refusal; the checked path then
+    gives the documented answer (here: a non-empty past cannot move to meta)."""
+    entry = new_entry()
+    with torch.no_grad():
+        entry.append(*step(3))
+        before = entry.past_keys
+        meta = torch.empty((BATCH, 1, HEADS, D_HEAD), device="meta")
+        with pytest.raises(ValueError, match="meta device"):
+            entry.append(meta, meta.clone())
+    assert entry.past_keys is before and entry.__dict__["_safelens_small"].length == 3
+
+
+def test_the_limit_must_be_a_count() -> None:
+    with pytest.raises(ValueError, match="non-negative int"), kv_storage.small_cache_limit(-1):
+        pass
+
+
+_dimension = st.integers(1, 3)
+_shape = st.tuples(st.integers(1, 2), st.integers(0, 3), _dimension, _dimension).map(list)
+
+
+@given(
+    past_keys=_shape,
+    past_values=_shape,
+    new_keys=_shape,
+    new_values=_shape,
+    dims=st.tuples(*[st.sampled_from([3, 4, 4, 4])] * 4),
+    dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.bfloat16, torch.int64])] * 4),
+    meta=st.tuples(*[st.booleans()] * 4),
+    same_shapes=st.booleans(),
+)
+def test_the_fast_check_agrees_with_full_validation(
+    past_keys: list[int],
+    past_values: list[int],
+    new_keys: list[int],
+    new_values: list[int],
+    dims: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    meta: tuple[bool, ...],
+    same_shapes: bool,
+) -> None:
+    """For exact tensors, the prompt's fast check accepts exactly what full validation accepts,
+    so that skipping validation never lets bad input through, and valid input is never slowed."""
+    shapes = [past_keys, past_values, new_keys, new_values]
+    if same_shapes:  # mostly-valid input, where the two could disagree in subtle ways
+        shapes = [list(past_keys), list(past_keys), list(new_keys), list(new_keys)]
+        shapes[2][0] = shapes[3][0] = shapes[0][0]
+    tensors = [
+        torch.empty(shape[:dim], dtype=dtype, device="meta" if on_meta else "cpu")
+        for shape, dim, dtype, on_meta in zip(shapes, dims, dtypes, meta, strict=True)
+    ]
+    entry = new_entry()
+    try:
+        kv_cache._validate(entry, *tensors)
+    except (TypeError, ValueError):
+        accepted = False
+    else:
+        accepted = True
+    assert kv_cache._plainly_valid(*tensors) == accepted
+
+
+@requires_hooked_transformer
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_generate_crossing_the_limit_matches_buffers_and_uncached(
+    patched: Any, dtype: torch.dtype
+) -> None:
+    """A real generate whose caches start small and move to buffers half way gives the tokens
+    of one that keeps buffers throughout (and, in float32, of an uncached one)."""
+    from safelens_tl.verify import checks
+    from safelens_tl.verify.models import build_model
+
+    model = build_model("gpt2-like", dtype)
+    tokens = model.to_tokens(list(checks.PROMPTS)[:1])
+    per_position = model.cfg.n_heads * model.cfg.d_head * torch.finfo(dtype).bits // 8
+    arguments = checks.greedy_arguments(12)
+    with kv_storage.small_cache_limit((tokens.shape[1] + 6) * per_position):
+        crossing = model.generate(tokens, use_past_kv_cache=True, **arguments)
+    with kv_storage.small_cache_limit(0):
+        buffered = model.generate(tokens, use_past_kv_cache=True, **arguments)
+    assert torch.equal(crossing, buffered)
+    if dtype == torch.float32:
+        uncached = model.generate(tokens, use_past_kv_cache=False, **arguments)
+        assert torch.equal(crossing, uncached)
