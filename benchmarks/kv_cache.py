@@ -161,11 +161,14 @@ def best_of(
 ) -> dict[str, float]:
     """Run each variant once per round, alternating, and keep each one's smallest result.
 
-    ``samples``, when given, receives every result, in round order.
+    Every other round runs the variants in reverse order (A B, B A, ...), so that neither gains
+    from always running first or second. ``samples``, when given, receives every result, in
+    round order.
     """
     best = {name: float("inf") for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
+    for index in range(rounds):
+        order = list(variants.items())
+        for name, run in order if index % 2 == 0 else reversed(order):
             gc.collect()
             result = run()
             best[name] = min(best[name], result)

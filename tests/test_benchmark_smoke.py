@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
+import pytest
+
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, requires_hooked_transformer
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_cache.py"
 
@@ -29,7 +32,9 @@ def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
 
 def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     output = tmp_path / "results.json"
-    done = run_script("kv_cache.py", "--quick", "--json", str(output))
+    # Every section but the instruction counts, which run under valgrind (the test below).
+    sections = "append,step,generate,memory,trace,autocast,bridge"
+    done = run_script("kv_cache.py", "--quick", "--only", sections, "--json", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "append (batch" in done.stdout and ", ratios" in done.stdout
     results = json.loads(output.read_text())
@@ -39,7 +44,7 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
         assert row["floor"] > row["raw"]  # the floor is the raw write plus a regrowth share
     in_generate = [-1] if HAS_HOOKED_TRANSFORMER else []
     assert [row["cached"] for row in results["step"]] == [8, 32, *in_generate]
-    assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["step"])
+    assert all(row[k] > 0 for row in results["step"] for k in ("stock", "patched", "buffer"))
     assert "per-token append" in done.stdout
     if HAS_HOOKED_TRANSFORMER:
         assert [row["context"] for row in results["generate"]] == ["short", "shortest", "long"]
@@ -104,3 +109,46 @@ def test_append_floor_prints_its_table() -> None:
     assert "torch calls of one append" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == ["8", "32"]
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+@requires_hooked_transformer
+def test_instruction_counts_count_both_variants() -> None:
+    """The callgrind child runs and counts one generation per variant. The two counts are close
+    (each a full forward pass per token; the patched path adds or saves a fraction of a
+    percent), so a count of the wrong region, or of nothing, fails."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        import instruction_counts
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+    rows, reason = instruction_counts.measure([(1, 2)], rounds=1)
+    assert reason is None, reason
+    (row,) = rows
+    assert row["generation"] == "1+2" and row["rounds"] == 1
+    assert row["stock"] > 1_000_000 and row["patched"] > 1_000_000
+    assert 0.9 < row["stock"] / row["patched"] < 1.1, row
+
+
+def test_spin_instructions_are_read_from_a_callgrind_dump() -> None:
+    """What is left out of each count: a function's own cost lines, not the calls it makes."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        import instruction_counts
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+    dump = "\n".join(
+        [
+            "fn=(1) main",
+            "0 500",
+            "cfn=(2) pthread_cond_signal@@GLIBC_2.3.2",
+            "calls=1 0",
+            "0 300",
+            "fn=(2)",
+            "0 300",
+            "fn=(3) pthread_cond_wait",
+            "12 40",
+            "+1 2",
+        ]
+    )
+    assert instruction_counts.spin_instructions(dump) == 342
