@@ -504,6 +504,8 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
             {
                 "stock": functools.partial(time_generate, model, tokens, new, False, clock),
                 "patched": functools.partial(time_generate, model, tokens, new, True, clock),
+                # Stock once more: stock against itself (an A/A test) is this method's noise.
+                "stock again": functools.partial(time_generate, model, tokens, new, False, clock),
             },
             samples,
         )
@@ -517,6 +519,7 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
                 "patched": batch * new / best["patched"],
                 "rounds": rounds,
                 "paired": median_paired_ratio(samples["stock"], samples["patched"]),
+                "stock_vs_stock": median_paired_ratio(samples["stock"], samples["stock again"]),
                 "clock": clock,
             }
         )
@@ -908,6 +911,7 @@ def report(results: Results) -> None:
         for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
         table.add_column("median of pairs", justify="right")
+        table.add_column("stock/stock (noise)", justify="right")
         for row in results.generate:
             table.add_row(
                 str(row["context"]),
@@ -917,6 +921,7 @@ def report(results: Results) -> None:
                 f"{row['patched']:,.0f}",
                 _ratio(row["patched"] / row["stock"]),
                 _ratio(row["paired"]),
+                _ratio(row["stock_vs_stock"]),
             )
         console.print(table)
     if results.memory:

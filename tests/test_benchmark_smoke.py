@@ -49,7 +49,7 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     if HAS_HOOKED_TRANSFORMER:
         assert [row["context"] for row in results["generate"]] == ["short", "shortest", "long"]
         assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["generate"])
-        assert all(row["paired"] > 0 for row in results["generate"])
+        assert all(row["paired"] > 0 and row["stock_vs_stock"] > 0 for row in results["generate"])
         assert [row["shape"] for row in results["memory"]] == ["long context", "early EOS"]
         assert {"stock", "patched", "cache_bytes"} <= set(results["memory"][0])
         assert results["autocast"]["stock"]["dtype"] == "float32"
