@@ -21,8 +21,6 @@ _STORAGE = "_safelens_storage"
 _SMALL = "_safelens_small"
 _LIMIT = "_safelens_n_ctx"
 _LAYER = "_safelens_layer"
-# Read once: a module attribute lookup per token per layer is a measurable share of a small step.
-_TENSOR = torch.Tensor
 
 
 def resolve_dtype(value: object) -> torch.dtype:
@@ -163,11 +161,12 @@ def _plainly_valid(past_keys: Any, past_values: Any, new_keys: Any, new_values: 
     either accepts or raises the error that says what is wrong. Run once per layer per
     ``generate`` (the prompt's write), where the full checks cost as much as the write itself.
     """
+    tensor = torch.Tensor
     if not (
-        type(new_keys) is _TENSOR
-        and type(new_values) is _TENSOR
-        and type(past_keys) is _TENSOR
-        and type(past_values) is _TENSOR
+        type(new_keys) is tensor
+        and type(new_values) is tensor
+        and type(past_keys) is tensor
+        and type(past_values) is tensor
     ):
         return False
     key_shape, value_shape = new_keys.shape, new_values.shape
@@ -297,14 +296,9 @@ def _append_checked(
     length = cached + new_keys.shape[1]
     limit = kv_storage.small_cache_bytes()
     if length <= kv_storage.small_cache_positions(new_keys, limit):
-        if cached == 0:  # the first write (the prompt): a contiguous copy, as stock's cat makes
-            contiguous = torch.contiguous_format
-            keys = new_keys.clone(memory_format=contiguous)
-            values = new_values.clone(memory_format=contiguous)
-            if planned is None:
-                planned = kv_storage.plan_for_first_write(length)
-        else:
-            keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
+        keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
+        if planned is None and cached == 0:  # the first write (the prompt) starts the plan
+            planned = kv_storage.plan_for_first_write(length)
         state.pop(_STORAGE, None)
         state[_SMALL] = kv_storage.SmallCache(keys, values, keys.nbytes, limit, planned, keys.dtype)
         self.past_keys, self.past_values = keys, values
