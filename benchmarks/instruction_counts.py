@@ -12,8 +12,9 @@ turns counting on and writes the count under a label. Only the main thread is co
 progress-bar thread is switched off), less what it spent spinning on a lock (:data:`SPIN`: an
 artefact of valgrind running one thread at a time, 0.3-1 million instructions in some rounds
 and not others). Stock and patched alternate, each counted ``rounds`` times after two warm-up
-calls; the table keeps each one's smallest count, and the spread between its rounds (about
-0.1 million at 8+48, 0.03%, on the machine of docs/performance.md).
+calls, each count right after one uncounted run in the same state (the steady state of a user,
+who switches the patches on once); the table keeps each one's smallest count, and the spread
+between its rounds (0.1-0.4 million, at most 0.15%, on the machine of docs/performance.md).
 
 Needs ``valgrind`` with its headers (Debian: ``valgrind``) and a C compiler. Without them the
 section is skipped with a note. Under valgrind everything runs ~50x slower: a full run takes a few
@@ -101,6 +102,12 @@ def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> N
         for index in range(2 * rounds):
             on = bool(index % 2) != bool(index // 2 % 2)  # stock, patched, patched, stock, ...
             with kv_cache.patched(on):
+                # Switching patches on or off changes the classes, which sends Python's
+                # specialized bytecode back to its generic form for a while (about 75,000
+                # instructions here). A user installs the patches once, so each count follows
+                # one uncounted run in the same state; otherwise a stock run that follows a stock
+                # run (no switch) would be counted warm and every patched run cold.
+                _generate(model, tokens, new)
                 gc.collect()
                 gc.disable()
                 counter.safelens_count_start()

@@ -57,15 +57,35 @@ def _ahead(use_past_kv_cache: Any, max_new_tokens: Any) -> int | None:
     return max_new_tokens - 1
 
 
+class _Default:
+    """Where a recipe reads a parameter's default (the call does not give it)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+#: A recipe's source for one value: an index into ``args``, a key of ``kwargs``, or a default.
+_Source = int | str | _Default
+#: The recipe for calls that must be bound (:func:`positions_ahead`).
+_BIND = None
+#: Distinct call shapes remembered per reader; a program has a handful.
+_MAX_RECIPES = 64
+
+
 class _ArgumentReader:
     """Reads ``max_new_tokens`` and ``use_past_kv_cache`` from a call without binding it.
 
-    ``Signature.bind`` costs about 12 µs, a visible share of a short generation. Where the
-    signature is plain (named parameters, and perhaps ``**kwargs``) and the call is plainly
-    bindable (no more positional arguments than parameters, keywords that name parameters, or
-    any keyword where ``**kwargs`` takes them, none given twice, none required missing), the two
-    values are read directly; any other call goes through :func:`positions_ahead`, which binds.
-    Both give the same answer.
+    ``Signature.bind`` costs about 12 µs, a visible share of a short generation, and so does
+    working out by hand where each value sits. Whether a call is plainly bindable, and where the
+    two values sit, depends only on the call's shape (how many positional arguments, which
+    keywords in which order), so that is worked out once per shape and kept as a recipe: where
+    the signature is plain (named parameters, and perhaps ``**kwargs``) and the call plainly
+    bindable (no more positional arguments than parameters, keywords that name parameters, or any
+    keyword where ``**kwargs`` takes them, none given twice, none required missing), the recipe
+    says where to read each value; any other call goes through :func:`positions_ahead`, which
+    binds. Both give the same answer.
     """
 
     def __init__(self, signature: inspect.Signature) -> None:
@@ -78,32 +98,63 @@ class _ArgumentReader:
         self.positional = [p.name for p in parameters if p.kind is kind.POSITIONAL_OR_KEYWORD]
         self.names = frozenset(p.name for p in parameters)
         self.required = frozenset(p.name for p in parameters if p.default is kind.empty)
+        self._recipes: dict[tuple[Any, ...], tuple[_Source, _Source] | None] = {}
 
-    def _value(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if name in kwargs:
-            return kwargs[name]
+    def _source(self, name: str, given: int, keywords: tuple[str, ...]) -> _Source:
+        if name in keywords:
+            return name
         if name in self.positional:
             index = self.positional.index(name)
-            if index < len(args):
-                return args[index]
+            if index < given:
+                return index
         parameter = self.signature.parameters.get(name)
-        return inspect.Parameter.empty if parameter is None else parameter.default
+        return _Default(inspect.Parameter.empty if parameter is None else parameter.default)
+
+    def _recipe(self, given: int, keywords: tuple[str, ...]) -> tuple[_Source, _Source] | None:
+        named = self.positional[:given]
+        if (
+            not self.plain
+            or given > len(self.positional)
+            or not (self.any_keyword or self.names.issuperset(keywords))
+            or not self.required.issubset((*named, *keywords))
+            or any(name in keywords for name in named)
+        ):
+            return _BIND
+        return (
+            self._source("use_past_kv_cache", given, keywords),
+            self._source("max_new_tokens", given, keywords),
+        )
 
     def ahead(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
         """Like :func:`positions_ahead` for this signature, without binding plain calls."""
-        given = self.positional[: len(args)]
-        if (
-            not self.plain
-            or len(args) > len(self.positional)
-            or not (self.any_keyword or self.names.issuperset(kwargs))
-            or not self.required.issubset((*given, *kwargs))
-            or any(name in kwargs for name in given)
-        ):
+        shape = (len(args), *kwargs)
+        try:
+            recipe = self._recipes[shape]
+        except KeyError:
+            recipe = self._recipe(len(args), tuple(kwargs))
+            if len(self._recipes) < _MAX_RECIPES:
+                self._recipes[shape] = recipe
+        if recipe is _BIND:
             return positions_ahead(self.signature, args, kwargs)
-        return _ahead(
-            self._value("use_past_kv_cache", args, kwargs),
-            self._value("max_new_tokens", args, kwargs),
+        use_source, new_source = recipe
+        # Written out rather than a helper called twice: this runs at every generate.
+        use = (
+            kwargs[use_source]
+            if type(use_source) is str
+            else args[use_source]
+            if type(use_source) is int
+            else use_source.value  # type: ignore[union-attr]
         )
+        new = (
+            kwargs[new_source]
+            if type(new_source) is str
+            else args[new_source]
+            if type(new_source) is int
+            else new_source.value  # type: ignore[union-attr]
+        )
+        if use is True and type(new) is int and new > 0:
+            return new - 1  # the usual call, answered as _ahead would
+        return _ahead(use, new)
 
 
 def reserving_generate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,8 +166,13 @@ def reserving_generate(original: Callable[..., Any]) -> Callable[..., Any]:
         ahead = reader.ahead(args, kwargs)
         if ahead is None:
             return original(*args, **kwargs)
-        with kv_storage.reserve_ahead(ahead):
+        # kv_storage.reserve_ahead's variable, set directly: ``ahead`` is already a valid count,
+        # and the context manager's checks and object cost a visible share of a short generate.
+        token = kv_storage.RESERVED_AHEAD.set(ahead)
+        try:
             return original(*args, **kwargs)
+        finally:
+            kv_storage.RESERVED_AHEAD.reset(token)
 
     return generate
 

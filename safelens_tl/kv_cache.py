@@ -23,18 +23,31 @@ _LIMIT = "_safelens_n_ctx"
 _LAYER = "_safelens_layer"
 
 
+#: ``cfg.dtype`` values already resolved: ``init_cache_entry`` runs once per layer per
+#: ``generate``, where resolving anew costs a visible share of a short generation.
+_RESOLVED_DTYPES: dict[object, torch.dtype] = {}
+
+
 def resolve_dtype(value: object) -> torch.dtype:
     """Turn ``cfg.dtype`` (a ``torch.dtype`` or a name like ``"float16"``) into a floating dtype.
 
     ``None`` means float32, TransformerLens's own default; the global default dtype is never used,
     because it is what broke TransformerLens 3.0.0.
     """
+    try:
+        resolved = _RESOLVED_DTYPES.get(value)
+    except TypeError:  # unhashable: never a valid dtype, and the message below says so
+        resolved = None
+    if resolved is not None:
+        return resolved
     if value is None:
         return torch.float32
     candidate = value
     if isinstance(value, str):
         candidate = getattr(torch, value.strip().removeprefix("torch."), None)
     if isinstance(candidate, torch.dtype) and candidate.is_floating_point:
+        if len(_RESOLVED_DTYPES) < 64:  # names are few; bound it anyway
+            _RESOLVED_DTYPES[value] = candidate
         return candidate
     raise ValueError(
         f"cfg.dtype must be a floating torch.dtype or its name, such as 'float16' or "
@@ -49,29 +62,33 @@ def key_value_heads(cfg: Any) -> int:
     return int(heads if heads is not None else cfg.n_heads)
 
 
-def _require_cfg_fields(cfg: Any) -> None:
-    if getattr(cfg, "n_heads", None) is not None and getattr(cfg, "d_head", None) is not None:
-        return  # every real config: spare it building the list below
+def _missing_cfg_fields(cfg: Any) -> ValueError:
     missing = [name for name in ("n_heads", "d_head") if getattr(cfg, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"init_cache_entry needs a config with n_heads and d_head; {type(cfg).__name__} "
-            f"lacks {', '.join(missing)}. Pass the model's cfg (model.cfg)."
-        )
+    return ValueError(
+        f"init_cache_entry needs a config with n_heads and d_head; {type(cfg).__name__} "
+        f"lacks {', '.join(missing)}. Pass the model's cfg (model.cfg)."
+    )
 
 
 def init_cache_entry(cls: type, cfg: Any, device: Any, batch_size: int = 1) -> Any:
     """Return an empty entry ``[batch, 0, kv_heads, d_head]`` in ``cfg.dtype`` on ``device``."""
-    _require_cfg_fields(cfg)
-    shape = (batch_size, 0, key_value_heads(cfg), int(cfg.d_head))
+    # Each field read once: this runs once per layer per generate (see _RESOLVED_DTYPES).
+    n_heads, d_head = getattr(cfg, "n_heads", None), getattr(cfg, "d_head", None)
+    if n_heads is None or d_head is None:
+        raise _missing_cfg_fields(cfg)
+    kv_heads = getattr(cfg, "n_key_value_heads", None)
+    shape = (batch_size, 0, int(kv_heads if kv_heads is not None else n_heads), int(d_head))
     dtype = resolve_dtype(getattr(cfg, "dtype", None))
-    entry = cls(
-        past_keys=torch.empty(shape, dtype=dtype, device=device),
-        past_values=torch.empty(shape, dtype=dtype, device=device),
-    )
+    past_keys = torch.empty(shape, dtype=dtype, device=device)
+    past_values = torch.empty(shape, dtype=dtype, device=device)
+    entry = cls(past_keys=past_keys, past_values=past_values)
+    state = entry.__dict__
     n_ctx = getattr(cfg, "n_ctx", None)
     if isinstance(n_ctx, int):
-        setattr(entry, _LIMIT, n_ctx)
+        state[_LIMIT] = n_ctx
+    # An empty small cache: the first write (the prompt) then takes the per-token path, and
+    # _first_write decides where it is kept.
+    state[_SMALL] = kv_storage.SmallCache(past_keys, past_values, 0, 0, None, dtype)
     return entry
 
 
@@ -214,6 +231,7 @@ def append(
         # A small cache (every step of a short generation): stock's torch.cat, checked as cheaply
         # as torch allows (each check here costs a visible share of a step on a small model).
         keys, values, dtype = small.keys, small.values, small.dtype
+        first_write = False
         try:
             if (
                 self.past_keys is keys
@@ -226,15 +244,20 @@ def append(
                 # Sizes after the fact: more positions than before, within the limit, as many
                 # for values as for keys. Otherwise these results are dropped unseen.
                 nbytes = keys.nbytes
-                if small.nbytes < nbytes <= small.max_bytes and values.nbytes == nbytes:
-                    if not self.frozen:
-                        small.keys, small.values, small.nbytes = keys, values, nbytes
-                        self.past_keys, self.past_values = keys, values
-                    return keys, values
+                if values.nbytes == nbytes:
+                    if small.nbytes < nbytes <= small.max_bytes:
+                        if not self.frozen:
+                            small.keys, small.values, small.nbytes = keys, values, nbytes
+                            self.past_keys, self.past_values = keys, values
+                        return keys, values
+                    # Nothing cached yet: the prompt's write to an entry from init_cache_entry.
+                    first_write = not small.nbytes and nbytes > 0
         except (AttributeError, RuntimeError):
             # Not tensors, or batch, heads, d_head or device disagree (torch.cat refuses tensors
             # on different devices, meta included): the checked path moves or says what is wrong.
             pass
+        if first_write:
+            return _first_write(self, small, keys, values, new_keys, new_values)
         return _append_checked(self, None, new_keys, new_values)
     storage: kv_storage.KVStorage | None = state.get(_STORAGE)
     # Per-token fast path (every step of generate): try_append accepts only a plain step that the
@@ -249,6 +272,31 @@ def append(
         self.past_keys, self.past_values = keys, values
         return keys, values
     return _append_checked(self, storage, new_keys, new_values)
+
+
+def _first_write(
+    self: Any,
+    small: kv_storage.SmallCache,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first write (the prompt) to an entry from ``init_cache_entry``, already appended.
+
+    ``keys``/``values`` are the empty past ``torch.cat`` with the new step, which the per-token
+    checks accepted. Kept as a small cache when the limit in force now allows it, unfrozen and
+    outside grad mode; anything else is left to :func:`_append_checked`, which decides as for any
+    first write. Spares the prompt's write the full checks, which cost more than the write.
+    """
+    limit = kv_storage.small_cache_bytes()
+    nbytes = keys.nbytes
+    if nbytes <= limit and not self.frozen and not torch.is_grad_enabled():
+        small.keys, small.values, small.nbytes, small.max_bytes = keys, values, nbytes, limit
+        small.planned = kv_storage.plan_for_first_write(keys.shape[1])
+        self.past_keys, self.past_values = keys, values
+        return keys, values
+    return _append_checked(self, None, new_keys, new_values)
 
 
 def _append_checked(

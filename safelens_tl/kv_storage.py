@@ -60,6 +60,9 @@ _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar
 _reserved_ahead: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_ahead", default=None
 )
+#: The variable :func:`reserve_ahead` sets, for a caller that has validated its count already
+#: (``generate``'s wrapper, where the context manager's own cost shows).
+RESERVED_AHEAD = _reserved_ahead
 
 
 # How many tensors share a buffer's storage: torch's count of storage references (one per tensor

@@ -124,6 +124,113 @@ def test_new_keys_on_another_device_take_the_checked_path(patched: Any) -> None:
     assert entry.past_keys is before and entry.__dict__["_safelens_small"].length == 3
 
 
+def _record(entry: Any) -> tuple[object, ...]:
+    small = entry.__dict__["_safelens_small"]
+    fields = ("keys", "values", "nbytes", "max_bytes", "planned", "dtype")
+    return tuple(getattr(small, name) for name in fields)
+
+
+def test_a_new_entry_waits_for_its_first_write_as_an_empty_small_cache(patched: Any) -> None:
+    """init_cache_entry records the empty past, so that the prompt's write takes the per-token
+    path; the limit and the plan are those in force at that write, not at init."""
+    with kv_storage.small_cache_limit(0):
+        entry = new_entry()  # created where every cache would be a buffer
+    assert _record(entry) == (entry.past_keys, entry.past_values, 0, 0, None, torch.float32)
+    new_keys, new_values = step(2)
+    limit = kv_storage.small_cache_limit(3 * POSITION_BYTES)
+    with torch.no_grad(), kv_storage.reserve_ahead(7), limit:
+        keys, values = entry.append(new_keys, new_values)
+        assert torch.equal(keys, new_keys) and torch.equal(values, new_values)
+        assert keys.is_contiguous() and keys.data_ptr() != new_keys.data_ptr()
+        assert (entry.past_keys, entry.past_values) == (keys, values)
+        assert _record(entry) == (keys, values, keys.nbytes, 3 * POSITION_BYTES, 9, torch.float32)
+        entry.append(*step())  # 3 positions: still small
+        assert "_safelens_storage" not in entry.__dict__
+        entry.append(*step())  # 4: past the limit
+    storage = entry.__dict__["_safelens_storage"]
+    assert (storage.length, storage.planned) == (4, 9)
+
+
+def test_a_first_write_too_large_for_the_limit_goes_to_a_buffer(patched: Any) -> None:
+    entry = new_entry()
+    with torch.no_grad(), kv_storage.small_cache_limit(POSITION_BYTES):
+        keys, _ = entry.append(*step(2))
+    assert "_safelens_small" not in entry.__dict__
+    assert entry.__dict__["_safelens_storage"].length == 2 and keys.shape[1] == 2
+
+
+def test_a_first_write_in_another_dtype_follows_the_keys(patched: Any) -> None:
+    """Keys computed in float16 by a float32-configured model: stored in float16 (the policy),
+    where torch.cat onto the float32 empty past would have promoted them to float32."""
+    entry = new_entry()
+    new_keys, new_values = (tensor.half() for tensor in step(2))
+    with torch.no_grad():
+        keys, values = entry.append(new_keys, new_values)
+        assert keys.dtype == values.dtype == torch.float16
+        assert entry.__dict__["_safelens_small"].dtype is torch.float16
+        keys, _ = entry.append(*(tensor.half() for tensor in step()))
+    assert keys.dtype == torch.float16 and keys.shape[1] == 3
+
+
+def test_a_frozen_first_write_returns_the_step_and_keeps_the_entry(patched: Any) -> None:
+    entry = new_entry()
+    entry.frozen = True
+    before = (entry.past_keys, entry.past_values, _record(entry))
+    new_keys, new_values = step(2)
+    with torch.no_grad():
+        keys, _ = entry.append(new_keys, new_values)
+    assert torch.equal(keys, new_keys)
+    assert (entry.past_keys, entry.past_values, _record(entry)) == before
+
+
+def test_a_first_write_in_grad_mode_keeps_the_graph(patched: Any) -> None:
+    """In grad mode the cache takes stock's path (torch.cat every step, no record kept), and
+    gradients reach the keys of the first write."""
+    entry = new_entry()
+    new_keys = torch.randn(BATCH, 2, HEADS, D_HEAD, requires_grad=True)
+    keys, _ = entry.append(new_keys, torch.randn(BATCH, 2, HEADS, D_HEAD))
+    assert "_safelens_small" not in entry.__dict__ and "_safelens_storage" not in entry.__dict__
+    keys.sum().backward()
+    assert new_keys.grad is not None and torch.equal(new_keys.grad, torch.ones_like(new_keys))
+
+
+_BAD_FIRST_WRITES = {
+    "wrong heads": (
+        (torch.randn(BATCH, 2, HEADS + 1, D_HEAD), torch.randn(BATCH, 2, HEADS + 1, D_HEAD)),
+        ValueError,
+        "heads",
+    ),
+    "keys and values disagree on pos": (
+        (torch.randn(BATCH, 2, HEADS, D_HEAD), torch.randn(BATCH, 3, HEADS, D_HEAD)),
+        ValueError,
+        "agree on batch and pos",
+    ),
+    "integer keys": (
+        (torch.ones(BATCH, 2, HEADS, D_HEAD, dtype=torch.long),) * 2,
+        ValueError,
+        "floating point",
+    ),
+    "3-dim keys": (
+        (torch.randn(BATCH, 2, HEADS * D_HEAD), torch.randn(BATCH, 2, HEADS * D_HEAD)),
+        ValueError,
+        "4-dim",
+    ),
+    "not tensors": (([1.0], [1.0]), TypeError, "torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_FIRST_WRITES))
+def test_a_bad_first_write_is_refused_and_changes_nothing(patched: Any, case: str) -> None:
+    """The prompt's write relies on torch.cat and the sizes it yields for its checks; what they
+    do not accept goes to full validation, which names the problem."""
+    (new_keys, new_values), error, message = _BAD_FIRST_WRITES[case]
+    entry = new_entry()
+    before = (entry.past_keys, entry.past_values, _record(entry), dict(vars(entry)))
+    with torch.no_grad(), pytest.raises(error, match=message):
+        entry.append(new_keys, new_values)
+    assert (entry.past_keys, entry.past_values, _record(entry), dict(vars(entry))) == before
+
+
 def test_the_limit_must_be_a_count() -> None:
     with pytest.raises(ValueError, match="non-negative int"), kv_storage.small_cache_limit(-1):
         pass

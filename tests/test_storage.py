@@ -360,11 +360,16 @@ def test_the_argument_reader_agrees_with_binding_on_every_kind_of_call() -> None
         (every_positional, {}),
         (every_positional[:-1], {"use_past_kv_cache": True}),
     ]
-    for args, kwargs in calls:
-        expected = generate_reserve.positions_ahead(signature, args, kwargs)
-        assert reader.ahead(args, kwargs) == expected, (args, kwargs)
+    for attempt in ("first (recipe worked out)", "again (recipe remembered)"):
+        for args, kwargs in calls:
+            expected = generate_reserve.positions_ahead(signature, args, kwargs)
+            assert reader.ahead(args, kwargs) == expected, (attempt, args, kwargs)
     assert reader.ahead(every_positional, {}) is None
     assert reader.ahead(("self", "text", 5), {}) == 4
+    # A remembered recipe says where a value sits, not what it was.
+    assert reader.ahead(("self", "text", 9), {}) == 8
+    assert reader.ahead(("self", "text"), {"max_new_tokens": 3}) == 2
+    assert reader.ahead(("self", "text"), {"max_new_tokens": 3, "use_past_kv_cache": 1}) is None
 
 
 _MODEL_CLASS = LAYOUT.model_class()
