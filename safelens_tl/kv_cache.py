@@ -17,10 +17,13 @@ import torch
 
 from safelens_tl import kv_storage
 
-_STORAGE = "_safelens_storage"
-_SMALL = "_safelens_small"
-_LIMIT = "_safelens_n_ctx"
-_LAYER = "_safelens_layer"
+# safelens-tl's own attributes of an entry (left out of its pickle; see getstate):
+# _safelens_small (SmallCache or None), _safelens_storage (KVStorage or None), _safelens_n_ctx
+# (the model's n_ctx, caps growth) and _safelens_layer (for error messages). They are read and set
+# as attributes, never through the entry's __dict__: on Python 3.11 reading ``__dict__`` turns the
+# instance's inline attribute values into a dict, after which every attribute access on that
+# entry (TransformerLens's own too) costs about twenty times more: 300 instructions, not 15.
+_PREFIX = "_safelens_"
 
 
 #: ``cfg.dtype`` values already resolved: ``init_cache_entry`` runs once per layer per
@@ -82,18 +85,17 @@ def init_cache_entry(cls: type, cfg: Any, device: Any, batch_size: int = 1) -> A
     past_keys = torch.empty(shape, dtype=dtype, device=device)
     past_values = torch.empty(shape, dtype=dtype, device=device)
     entry = cls(past_keys=past_keys, past_values=past_values)
-    state = entry.__dict__
     n_ctx = getattr(cfg, "n_ctx", None)
-    if isinstance(n_ctx, int):
-        state[_LIMIT] = n_ctx
+    entry._safelens_n_ctx = n_ctx if isinstance(n_ctx, int) else None
     # An empty small cache: the first write (the prompt) then takes the per-token path, and
     # _first_write decides where it is kept.
-    state[_SMALL] = kv_storage.SmallCache(past_keys, past_values, 0, 0, None, dtype)
+    entry._safelens_small = kv_storage.SmallCache(past_keys, past_values, 0, 0, None, dtype)
+    entry._safelens_storage = None
     return entry
 
 
 def _where(entry: Any) -> str:
-    layer = entry.__dict__.get(_LAYER)
+    layer = getattr(entry, "_safelens_layer", None)
     return f"KV cache entry of layer {layer}" if layer is not None else "KV cache entry"
 
 
@@ -225,8 +227,11 @@ def append(
     self: Any, new_keys: torch.Tensor, new_values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one step's keys and values; return the full keys and values to attend over."""
-    state = self.__dict__
-    small: kv_storage.SmallCache | None = state.get(_SMALL)
+    try:
+        small: kv_storage.SmallCache | None = self._safelens_small
+        storage: kv_storage.KVStorage | None = self._safelens_storage
+    except AttributeError:  # not made by init_cache_entry, nor appended to since activation
+        return _append_checked(self, None, new_keys, new_values)
     if small is not None:
         # A small cache (every step of a short generation): stock's torch.cat, checked as cheaply
         # as torch allows (each check here costs a visible share of a step on a small model).
@@ -259,14 +264,13 @@ def append(
         if first_write:
             return _first_write(self, small, keys, values, new_keys, new_values)
         return _append_checked(self, None, new_keys, new_values)
-    storage: kv_storage.KVStorage | None = state.get(_STORAGE)
     # Per-token fast path (every step of generate): try_append accepts only a plain step that the
     # full path below would also write in place, and changes nothing when it refuses.
     if (
         storage is not None
         and not torch.is_grad_enabled()
         and not self.frozen
-        and storage.try_append(state, new_keys, new_values)
+        and storage.try_append(self, new_keys, new_values)
     ):
         keys, values = storage.keys_view, storage.values_view
         self.past_keys, self.past_values = keys, values
@@ -306,10 +310,9 @@ def _append_checked(
     new_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The full append: validation, copy-on-write, dtype and device policy, growth."""
-    state = self.__dict__
     # Before this function holds any reference to the views: is an earlier view still held
     # elsewhere? Then this step is written to a new buffer (copy-on-write; see kv_storage).
-    private = storage is not None and not storage.shared_outside(state)
+    private = storage is not None and not storage.shared_outside(self)
     past_keys, past_values = self.past_keys, self.past_values
     if not _plainly_valid(past_keys, past_values, new_keys, new_values):
         _validate(self, past_keys, past_values, new_keys, new_values)
@@ -321,8 +324,7 @@ def _append_checked(
     if self.frozen or torch.is_grad_enabled():
         keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
         if not self.frozen:
-            state.pop(_STORAGE, None)
-            state.pop(_SMALL, None)
+            self._safelens_storage = self._safelens_small = None
             self.past_keys, self.past_values = keys, values
         return keys, values
 
@@ -334,7 +336,7 @@ def _append_checked(
 
     # A plan (reserve_ahead) is kept only while the past is still ours: a reassigned past
     # (truncation, beam search) grows by the usual 25% instead.
-    small: kv_storage.SmallCache | None = state.get(_SMALL)
+    small: kv_storage.SmallCache | None = getattr(self, "_safelens_small", None)
     planned = None
     if storage is not None and ours:
         planned = storage.planned
@@ -347,15 +349,15 @@ def _append_checked(
         keys, values = _concat(past_keys, new_keys), _concat(past_values, new_values)
         if planned is None and cached == 0:  # the first write (the prompt) starts the plan
             planned = kv_storage.plan_for_first_write(length)
-        state.pop(_STORAGE, None)
-        state[_SMALL] = kv_storage.SmallCache(keys, values, keys.nbytes, limit, planned, keys.dtype)
+        self._safelens_storage = None
+        self._safelens_small = kv_storage.SmallCache(
+            keys, values, keys.nbytes, limit, planned, keys.dtype
+        )
         self.past_keys, self.past_values = keys, values
         return keys, values
-    storage = kv_storage.allocate(
-        past_keys, past_values, new_keys, new_values, state.get(_LIMIT), planned
-    )
-    state.pop(_SMALL, None)
-    state[_STORAGE] = storage
+    n_ctx = getattr(self, "_safelens_n_ctx", None)
+    storage = kv_storage.allocate(past_keys, past_values, new_keys, new_values, n_ctx, planned)
+    self._safelens_small, self._safelens_storage = None, storage
     self.past_keys, self.past_values = storage.keys_view, storage.values_view
     return storage.keys_view, storage.values_view
 
@@ -367,8 +369,8 @@ def getstate(self: Any) -> dict[str, Any]:
     (not views of a larger buffer, whose whole storage pickle would write), and safelens-tl's own
     attributes are left out, so the pickle loads where safelens-tl is not installed.
     """
-    state = {k: v for k, v in self.__dict__.items() if not k.startswith("_safelens_")}
-    storage: kv_storage.KVStorage | None = self.__dict__.get(_STORAGE)
+    state = {k: v for k, v in vars(self).items() if not k.startswith(_PREFIX)}
+    storage: kv_storage.KVStorage | None = getattr(self, "_safelens_storage", None)
     if storage is not None and storage.backs(state.get("past_keys"), state.get("past_values")):
         state["past_keys"] = storage.keys_view.clone(memory_format=torch.contiguous_format)
         state["past_values"] = storage.values_view.clone(memory_format=torch.contiguous_format)
@@ -378,7 +380,7 @@ def getstate(self: Any) -> dict[str, Any]:
 def label_layers(cache: Any) -> None:
     """Record each entry's layer index so that errors can name the layer."""
     for index, entry in enumerate(getattr(cache, "entries", ())):
-        entry.__dict__[_LAYER] = index
+        entry._safelens_layer = index
 
 
 def append_attention_mask(self: Any, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextvars
 import sys
-from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,19 +310,19 @@ class KVStorage:
         keys, values = self.keys, self.values
         return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
-    def shared_outside(self, entry_state: Mapping[str, object]) -> bool:
+    def shared_outside(self, entry: object) -> bool:
         """Whether anything but the cache holds a view handed out or another tensor on the buffers.
 
-        ``entry_state`` is the entry's ``__dict__``, whose ``past_keys``/``past_values`` are the
-        cache's own references. Call it before taking any other reference to the views.
+        ``entry`` is the cache entry, whose ``past_keys``/``past_values`` are the cache's own
+        references. Call it before taking any other reference to the views.
         """
         # References to a view we know of: our attribute, getrefcount's own, and the entry's
         # attribute while it still holds that view. A caller's variable, a snapshot, autograd's
         # saved tensor: each adds one.
-        known = 1 + _GETREFCOUNT_OWN + (entry_state.get("past_keys") is self.keys_view)
+        known = 1 + _GETREFCOUNT_OWN + (getattr(entry, "past_keys", None) is self.keys_view)
         if sys.getrefcount(self.keys_view) > known:
             return True
-        known = 1 + _GETREFCOUNT_OWN + (entry_state.get("past_values") is self.values_view)
+        known = 1 + _GETREFCOUNT_OWN + (getattr(entry, "past_values", None) is self.values_view)
         if sys.getrefcount(self.values_view) > known:
             return True
         return _other_tensors_share(self.keys, self._keys_address) or _other_tensors_share(
@@ -345,20 +344,16 @@ class KVStorage:
         # Inference tensors cannot be written in place outside inference mode.
         return not self._inference or torch.is_inference_mode_enabled()
 
-    def try_append(
-        self, entry_state: Mapping[str, object], new_keys: object, new_values: object
-    ) -> bool:
+    def try_append(self, entry: Any, new_keys: object, new_values: object) -> bool:
         """The whole per-token path: :meth:`try_write` unless a view is shared (copy-on-write).
 
-        ``entry_state`` is the entry's ``__dict__``. Returns ``False``, changing nothing, for
-        anything but a plain step into a buffer nothing else holds; the caller then takes its
-        full path, which copies on write, validates and grows.
+        ``entry`` is the cache entry. Returns ``False``, changing nothing, for anything but a plain
+        step into a buffer nothing else holds; the caller then takes its full path, which copies
+        on write, validates and grows.
         """
-        if self.shared_outside(entry_state):
+        if self.shared_outside(entry):
             return False
-        return self.try_write(
-            entry_state.get("past_keys"), entry_state.get("past_values"), new_keys, new_values
-        )
+        return self.try_write(entry.past_keys, entry.past_values, new_keys, new_values)
 
     def try_write(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from safelens_tl import kv_cache
-from tests.conftest import make_cfg
+from tests.conftest import LAYOUT, make_cfg
 
 # Every rule holds for small caches (torch.cat) and for buffers alike.
 pytestmark = pytest.mark.both_cache_modes
@@ -327,3 +328,33 @@ def test_each_layer_keeps_the_device_of_its_own_computation(
     assert cache[0].past_keys.device.type == "cpu" and cache[0].past_values.device.type == "cpu"
     assert cache[1].past_keys.device.type == "meta" and cache[1].past_values.device.type == "meta"
     assert cache[0].past_keys.shape[1] == cache[1].past_keys.shape[1] == 3
+
+
+def _instance_dict_made(entry: Any) -> bool:
+    """Whether ``entry`` holds a real ``__dict__`` (the garbage collector then reports it)."""
+    return any(type(referent) is dict for referent in gc.get_referents(entry))
+
+
+@pytest.mark.both_cache_modes
+def test_appends_never_turn_an_entry_s_attributes_into_a_dict(patched: Any) -> None:
+    """On interpreters that keep attributes inline (CPython 3.11+), reading ``__dict__`` builds a
+    real dict, after which each attribute access on the entry, TransformerLens's own included,
+    costs about twenty times more. The cache must never do that, on any path."""
+    probe = LAYOUT.entry_class(torch.empty(0), torch.empty(0))
+    if _instance_dict_made(probe):
+        pytest.skip("this interpreter keeps instance attributes in a dict anyway")
+    cfg = make_cfg(n_heads=HEADS, d_head=D_HEAD, n_layers=2)
+    cache = LAYOUT.cache_class.init_cache(cfg, "cpu", BATCH)
+    entries = list(cache.entries)
+    user_made = LAYOUT.entry_class(
+        torch.empty(BATCH, 0, HEADS, D_HEAD), torch.empty(BATCH, 0, HEADS, D_HEAD)
+    )
+    with torch.no_grad():
+        for entry in [*entries, user_made]:
+            for positions in (3, 1, 1, 40):  # prompt, two steps, a chunk (past small limits)
+                shape = (BATCH, positions, HEADS, D_HEAD)
+                entry.append(torch.randn(shape), torch.randn(shape))
+            assert not _instance_dict_made(entry)
+    with pytest.raises(ValueError):  # an error names the layer; reading it builds no dict
+        entries[1].append(torch.randn(BATCH, 1, HEADS + 1, D_HEAD), torch.randn(1))
+    assert not _instance_dict_made(entries[1])

@@ -95,7 +95,7 @@ def test_reserve_puts_even_a_small_cache_in_a_buffer(patched: Any) -> None:
     entry = new_entry()
     with torch.no_grad(), kv_storage.reserve(32):
         entry.append(*step(2))
-    assert "_safelens_small" not in entry.__dict__
+    assert entry._safelens_small is None
     assert entry.__dict__["_safelens_storage"].capacity == 32
 
 
@@ -145,7 +145,7 @@ def test_a_new_entry_waits_for_its_first_write_as_an_empty_small_cache(patched: 
         assert (entry.past_keys, entry.past_values) == (keys, values)
         assert _record(entry) == (keys, values, keys.nbytes, 3 * POSITION_BYTES, 9, torch.float32)
         entry.append(*step())  # 3 positions: still small
-        assert "_safelens_storage" not in entry.__dict__
+        assert entry._safelens_storage is None
         entry.append(*step())  # 4: past the limit
     storage = entry.__dict__["_safelens_storage"]
     assert (storage.length, storage.planned) == (4, 9)
@@ -155,7 +155,7 @@ def test_a_first_write_too_large_for_the_limit_goes_to_a_buffer(patched: Any) ->
     entry = new_entry()
     with torch.no_grad(), kv_storage.small_cache_limit(POSITION_BYTES):
         keys, _ = entry.append(*step(2))
-    assert "_safelens_small" not in entry.__dict__
+    assert entry._safelens_small is None
     assert entry.__dict__["_safelens_storage"].length == 2 and keys.shape[1] == 2
 
 
@@ -189,7 +189,7 @@ def test_a_first_write_in_grad_mode_keeps_the_graph(patched: Any) -> None:
     entry = new_entry()
     new_keys = torch.randn(BATCH, 2, HEADS, D_HEAD, requires_grad=True)
     keys, _ = entry.append(new_keys, torch.randn(BATCH, 2, HEADS, D_HEAD))
-    assert "_safelens_small" not in entry.__dict__ and "_safelens_storage" not in entry.__dict__
+    assert entry._safelens_small is None and entry._safelens_storage is None
     keys.sum().backward()
     assert new_keys.grad is not None and torch.equal(new_keys.grad, torch.ones_like(new_keys))
 
