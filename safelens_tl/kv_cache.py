@@ -229,7 +229,6 @@ def append(
     """Append one step's keys and values; return the full keys and values to attend over."""
     try:
         small: kv_storage.SmallCache | None = self._safelens_small
-        storage: kv_storage.KVStorage | None = self._safelens_storage
     except AttributeError:  # not made by init_cache_entry, nor appended to since activation
         return _append_checked(self, None, new_keys, new_values)
     if small is not None:
@@ -264,6 +263,7 @@ def append(
         if first_write:
             return _first_write(self, small, keys, values, new_keys, new_values)
         return _append_checked(self, None, new_keys, new_values)
+    storage: kv_storage.KVStorage | None = getattr(self, "_safelens_storage", None)
     # Per-token fast path (every step of generate): try_append accepts only a plain step that the
     # full path below would also write in place, and changes nothing when it refuses.
     if (
