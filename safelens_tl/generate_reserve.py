@@ -57,17 +57,10 @@ def _ahead(use_past_kv_cache: Any, max_new_tokens: Any) -> int | None:
     return max_new_tokens - 1
 
 
-class _Default:
-    """Where a recipe reads a parameter's default (the call does not give it)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-#: A recipe's source for one value: an index into ``args``, a key of ``kwargs``, or a default.
-_Source = int | str | _Default
+#: A recipe's source for one value: (0, index) reads ``args[index]``, (1, name) ``kwargs[name]``,
+#: (2, name) the parameter's default.
+_Source = tuple[int, Any]
+_ARGS, _KWARGS, _DEFAULTS = 0, 1, 2
 #: The recipe for calls that must be bound (:func:`positions_ahead`).
 _BIND = None
 #: Distinct call shapes remembered per reader; a program has a handful.
@@ -99,16 +92,19 @@ class _ArgumentReader:
         self.names = frozenset(p.name for p in parameters)
         self.required = frozenset(p.name for p in parameters if p.default is kind.empty)
         self._recipes: dict[tuple[Any, ...], tuple[_Source, _Source] | None] = {}
+        self._defaults: dict[str, Any] = {}
+        for name in ("use_past_kv_cache", "max_new_tokens"):
+            parameter = signature.parameters.get(name)
+            self._defaults[name] = kind.empty if parameter is None else parameter.default
 
     def _source(self, name: str, given: int, keywords: tuple[str, ...]) -> _Source:
         if name in keywords:
-            return name
+            return _KWARGS, name
         if name in self.positional:
             index = self.positional.index(name)
             if index < given:
-                return index
-        parameter = self.signature.parameters.get(name)
-        return _Default(inspect.Parameter.empty if parameter is None else parameter.default)
+                return _ARGS, index
+        return _DEFAULTS, name
 
     def _recipe(self, given: int, keywords: tuple[str, ...]) -> tuple[_Source, _Source] | None:
         named = self.positional[:given]
@@ -136,22 +132,9 @@ class _ArgumentReader:
                 self._recipes[shape] = recipe
         if recipe is _BIND:
             return positions_ahead(self.signature, args, kwargs)
-        use_source, new_source = recipe
-        # Written out rather than a helper called twice: this runs at every generate.
-        use = (
-            kwargs[use_source]
-            if type(use_source) is str
-            else args[use_source]
-            if type(use_source) is int
-            else use_source.value  # type: ignore[union-attr]
-        )
-        new = (
-            kwargs[new_source]
-            if type(new_source) is str
-            else args[new_source]
-            if type(new_source) is int
-            else new_source.value  # type: ignore[union-attr]
-        )
+        sources = (args, kwargs, self._defaults)
+        (use_from, use_key), (new_from, new_key) = recipe
+        use, new = sources[use_from][use_key], sources[new_from][new_key]
         if use is True and type(new) is int and new > 0:
             return new - 1  # the usual call, answered as _ahead would
         return _ahead(use, new)
