@@ -75,12 +75,10 @@ def _missing_cfg_fields(cfg: Any) -> ValueError:
 
 def init_cache_entry(cls: type, cfg: Any, device: Any, batch_size: int = 1) -> Any:
     """Return an empty entry ``[batch, 0, kv_heads, d_head]`` in ``cfg.dtype`` on ``device``."""
-    # Each field read once: this runs once per layer per generate (see _RESOLVED_DTYPES).
-    n_heads, d_head = getattr(cfg, "n_heads", None), getattr(cfg, "d_head", None)
-    if n_heads is None or d_head is None:
+    d_head = getattr(cfg, "d_head", None)
+    if d_head is None or getattr(cfg, "n_heads", None) is None:
         raise _missing_cfg_fields(cfg)
-    kv_heads = getattr(cfg, "n_key_value_heads", None)
-    shape = (batch_size, 0, int(kv_heads if kv_heads is not None else n_heads), int(d_head))
+    shape = (batch_size, 0, key_value_heads(cfg), int(d_head))
     dtype = resolve_dtype(getattr(cfg, "dtype", None))
     past_keys = torch.empty(shape, dtype=dtype, device=device)
     past_values = torch.empty(shape, dtype=dtype, device=device)

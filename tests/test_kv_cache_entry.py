@@ -335,7 +335,6 @@ def _instance_dict_made(entry: Any) -> bool:
     return any(type(referent) is dict for referent in gc.get_referents(entry))
 
 
-@pytest.mark.both_cache_modes
 def test_appends_never_turn_an_entry_s_attributes_into_a_dict(patched: Any) -> None:
     """On interpreters that keep attributes inline (CPython 3.11+), reading ``__dict__`` builds a
     real dict, after which each attribute access on the entry, TransformerLens's own included,
