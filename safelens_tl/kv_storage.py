@@ -167,7 +167,9 @@ def small_cache_limit(bytes_per_tensor: int) -> AbstractContextManager[None]:
 
     The default is :data:`SMALL_CACHE_BYTES`; ``0`` puts every cache in a buffer from its first
     write. Read when a cache is (re)stored, not at every token: a cache already appended with
-    ``torch.cat`` keeps the limit it started with.
+    ``torch.cat`` stays small up to the limit it started with, whatever is in force meanwhile,
+    and the step that would pass that limit reads the one in force then (under a larger limit
+    the cache stays small, up to the new limit; otherwise it moves to a buffer).
     """
     limit = _require_count("bytes_per_tensor", bytes_per_tensor, "a number of bytes")
     return _Setting(_small_cache_bytes, limit)

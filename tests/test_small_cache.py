@@ -74,6 +74,27 @@ def test_a_small_cache_moves_to_a_buffer_past_the_limit(patched: Any) -> None:
                 assert small is None and storage is not None and storage.length == length
 
 
+def test_a_small_cache_keeps_its_limit_until_it_reaches_it(patched: Any) -> None:
+    """The limit is read when a cache is stored: a lower limit set later does not move a small
+    cache before it reaches the limit it started with; the step that would pass that limit reads
+    the limit in force then, and a larger one keeps the cache small up to the new limit."""
+    entry = new_entry()
+    with torch.no_grad():
+        with kv_storage.small_cache_limit(3 * POSITION_BYTES):
+            entry.append(*step(2))
+        with kv_storage.small_cache_limit(0):  # lowered: the cache keeps its own limit
+            entry.append(*step())
+            assert _record(entry)[2:4] == (3 * POSITION_BYTES, 3 * POSITION_BYTES)
+        with kv_storage.small_cache_limit(5 * POSITION_BYTES):  # raised, read at the crossing
+            entry.append(*step())
+            assert _record(entry)[2:4] == (4 * POSITION_BYTES, 5 * POSITION_BYTES)
+            entry.append(*step())
+            assert entry._safelens_storage is None
+            entry.append(*step())  # 6 positions: past the new limit
+        assert entry._safelens_small is None
+        assert entry.__dict__["_safelens_storage"].length == 6
+
+
 def test_a_generation_plan_is_carried_into_the_buffer(patched: Any) -> None:
     """generate's plan (reserve_ahead) is remembered by the small cache: the buffer it moves to
     grows towards the planned total and ends exactly there."""
