@@ -1004,13 +1004,18 @@ def report_trace(console: Any, rows: list[dict[str, Any]]) -> None:
         )
     console.print(table)
     first = rows[0]
-    growth = Table(title=f"{first['case']}: the passes where the patched cache grew, KiB")
+    growth = Table(
+        title=f"{first['case']}: passes where the patched cache grew ahead of stock's, "
+        "first and last, KiB"
+    )
     for column in ("pass", "cached positions", "stock", "patched", "patched/stock"):
         growth.add_column(column, justify="right")
     stock, ours = first["stock"], first["patched"]
     position = first["position_bytes"]
     for index, (bytes_stock, bytes_ours) in enumerate(zip(stock, ours, strict=False)):
-        if index == 0 or bytes_ours != ours[index - 1] or index == len(ours) - 1:
+        # A small cache grows with stock, one position per pass: only a buffer's steps are news.
+        ahead = index > 0 and bytes_ours - ours[index - 1] > bytes_stock - stock[index - 1]
+        if index == 0 or ahead or index == len(ours) - 1:
             growth.add_row(
                 str(index + 1),
                 str(bytes_stock // position),
