@@ -72,12 +72,6 @@ def build_helper(folder: Path) -> Path | str:
     return library
 
 
-def _generate(model: Any, tokens: Any, new: int) -> Any:
-    return model.generate(
-        tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-    )
-
-
 def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> None:
     """Under callgrind: count each generation, stock and patched, as ``variant|prompt+new``."""
     import ctypes
@@ -97,8 +91,8 @@ def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> N
         tokens = kv_cache._tokens(model, prompt, 1)
         for on in (False, True):
             with kv_cache.patched(on):
-                _generate(model, tokens, new)
-                _generate(model, tokens, new)
+                kv_cache.greedy_generate(model, tokens, new)
+                kv_cache.greedy_generate(model, tokens, new)
         for index in range(2 * rounds):
             on = bool(index % 2) != bool(index // 2 % 2)  # stock, patched, patched, stock, ...
             with kv_cache.patched(on):
@@ -107,11 +101,11 @@ def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> N
                 # instructions here). A user installs the patches once, so each count follows
                 # one uncounted run in the same state; otherwise a stock run that follows a stock
                 # run (no switch) would be counted warm and every patched run cold.
-                _generate(model, tokens, new)
+                kv_cache.greedy_generate(model, tokens, new)
                 gc.collect()
                 gc.disable()
                 counter.safelens_count_start()
-                _generate(model, tokens, new)
+                kv_cache.greedy_generate(model, tokens, new)
                 counter.safelens_count_stop(
                     f"{'patched' if on else 'stock'}|{prompt}+{new}".encode()
                 )

@@ -377,9 +377,7 @@ def appends_in_generate(
         # Set and restored here, inside the activation, so deactivation sees its own function.
         entry_class.append = timed
         try:
-            model.generate(
-                tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-            )
+            greedy_generate(model, tokens, new)
         finally:
             entry_class.append = append
     return spent[0] / max(int(spent[1]), 1)
@@ -476,6 +474,13 @@ def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def greedy_generate(model: Any, tokens: torch.Tensor, new: int) -> Any:
+    """One greedy cached generation of exactly ``new`` tokens, as every timed section runs it."""
+    return model.generate(
+        tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
+    )
+
+
 def time_generate(
     model: Any, tokens: torch.Tensor, new: int, on: bool, clock: str = "wall", warm: bool = False
 ) -> float:
@@ -489,13 +494,9 @@ def time_generate(
     """
     with patched(on):
         if warm:
-            model.generate(
-                tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-            )
+            greedy_generate(model, tokens, new)
         start = CLOCKS[clock]()
-        model.generate(
-            tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-        )
+        greedy_generate(model, tokens, new)
         return CLOCKS[clock]() - start
 
 

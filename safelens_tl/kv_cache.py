@@ -259,7 +259,7 @@ def append(
             # on different devices, meta included): the checked path moves or says what is wrong.
             pass
         if first_write:
-            return _first_write(self, small, keys, values, new_keys, new_values)
+            return _first_write(self, small, keys, values, nbytes, new_keys, new_values)
         return _append_checked(self, None, new_keys, new_values)
     storage: kv_storage.KVStorage | None = getattr(self, "_safelens_storage", None)
     # Per-token fast path (every step of generate): try_append accepts only a plain step that the
@@ -281,18 +281,19 @@ def _first_write(
     small: kv_storage.SmallCache,
     keys: torch.Tensor,
     values: torch.Tensor,
+    nbytes: int,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first write (the prompt) to an entry from ``init_cache_entry``, already appended.
 
     ``keys``/``values`` are the empty past ``torch.cat`` with the new step, which the per-token
-    checks accepted. Kept as a small cache when the limit in force now allows it, unfrozen and
-    outside grad mode; anything else is left to :func:`_append_checked`, which decides as for any
-    first write. Spares the prompt's write the full checks, which cost more than the write.
+    checks accepted; ``nbytes`` is the size of each. Kept as a small cache when the limit in force
+    now allows it, unfrozen and outside grad mode; anything else is left to
+    :func:`_append_checked`, which decides as for any first write. Spares the prompt's write the
+    full checks, which cost more than the write.
     """
     limit = kv_storage.small_cache_bytes()
-    nbytes = keys.nbytes
     if nbytes <= limit and not self.frozen and not torch.is_grad_enabled():
         small.keys, small.values, small.nbytes, small.max_bytes = keys, values, nbytes, limit
         small.planned = kv_storage.plan_for_first_write(keys.shape[1])

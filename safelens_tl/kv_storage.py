@@ -56,12 +56,11 @@ _small_cache_bytes: contextvars.ContextVar[int] = contextvars.ContextVar(
 _reserved_positions: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_positions", default=None
 )
-_reserved_ahead: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+#: The variable :func:`reserve_ahead` sets; public for a caller that has validated its count
+#: already (``generate``'s wrapper, where the context manager's own cost shows).
+RESERVED_AHEAD: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "safelens_tl_reserved_ahead", default=None
 )
-#: The variable :func:`reserve_ahead` sets, for a caller that has validated its count already
-#: (``generate``'s wrapper, where the context manager's own cost shows).
-RESERVED_AHEAD = _reserved_ahead
 
 
 # How many tensors share a buffer's storage: torch's count of storage references (one per tensor
@@ -159,7 +158,7 @@ def reserve_ahead(extra_positions: int) -> AbstractContextManager[None]:
     memory peaks, which a cache holding every future position would raise above stock's (on
     CUDA a buffer is allocated whole). The price is a copy of the past at each step.
     """
-    return _Setting(_reserved_ahead, _require_count("extra_positions", extra_positions))
+    return _Setting(RESERVED_AHEAD, _require_count("extra_positions", extra_positions))
 
 
 def small_cache_limit(bytes_per_tensor: int) -> AbstractContextManager[None]:
@@ -246,7 +245,7 @@ def plan_for_first_write(length: int) -> int | None:
 
     ``None`` unless :func:`reserve_ahead` is in force.
     """
-    ahead = _reserved_ahead.get()
+    ahead = RESERVED_AHEAD.get()
     return None if ahead is None else length + ahead
 
 
@@ -312,7 +311,7 @@ class KVStorage:
         keys, values = self.keys, self.values
         return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
-    def shared_outside(self, entry: object) -> bool:
+    def shared_outside(self, entry: Any) -> bool:
         """Whether anything but the cache holds a view handed out or another tensor on the buffers.
 
         ``entry`` is the cache entry, whose ``past_keys``/``past_values`` are the cache's own
@@ -321,10 +320,10 @@ class KVStorage:
         # References to a view we know of: our attribute, getrefcount's own, and the entry's
         # attribute while it still holds that view. A caller's variable, a snapshot, autograd's
         # saved tensor: each adds one.
-        known = 1 + _GETREFCOUNT_OWN + (getattr(entry, "past_keys", None) is self.keys_view)
+        known = 1 + _GETREFCOUNT_OWN + (entry.past_keys is self.keys_view)
         if sys.getrefcount(self.keys_view) > known:
             return True
-        known = 1 + _GETREFCOUNT_OWN + (getattr(entry, "past_values", None) is self.values_view)
+        known = 1 + _GETREFCOUNT_OWN + (entry.past_values is self.values_view)
         if sys.getrefcount(self.values_view) > known:
             return True
         return _other_tensors_share(self.keys, self._keys_address) or _other_tensors_share(
