@@ -23,7 +23,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -112,6 +113,16 @@ QUICK = Sizes(
     1,
 )
 
+
+def with_short_rounds(sizes: Sizes, rounds: int) -> Sizes:
+    """``sizes`` with ``rounds`` paired rounds for every generation but the long one."""
+    generations = tuple(
+        (label, prompt, new, batch, old if label == "long" else rounds)
+        for label, prompt, new, batch, old in sizes.generations
+    )
+    return replace(sizes, generations=generations)
+
+
 #: The measurements, in the order they run; ``--only`` picks some of them.
 SECTIONS = (
     "append",
@@ -183,7 +194,38 @@ def median_paired_ratio(numerators: list[float], denominators: list[float]) -> f
     A second estimate next to the ratio of bests: on a shared 2-core machine a round is sometimes
     twice as slow for reasons of its own, and a pair run back to back shares most of that.
     """
-    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+    return statistics.median(paired_ratios(numerators, denominators))
+
+
+def paired_ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    """One variant's time over the other's, round by round."""
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of ``values``.
+
+    Between the ``j``-th smallest and the ``j``-th largest of ``n`` values lies the true median
+    with probability ``1 - 2 P(B < j)``, ``B`` binomial with ``n`` trials and p = 1/2 (each value
+    falls below the median with probability 1/2), whatever the distribution: round times on a
+    shared machine have heavy tails, so no shape is assumed. ``j`` is the largest that keeps that
+    probability at least ``confidence``. Below 6 values even the whole range holds the median
+    with less than 95%; it is returned all the same.
+    """
+    if not values:
+        raise ValueError("median_interval: expected at least one value; received none")
+    if not 0 < confidence < 1:
+        raise ValueError(f"median_interval: expected 0 < confidence < 1; received {confidence}")
+    ordered = sorted(values)
+    count = len(ordered)
+    # Exact integers: 2**count overflows a float from about 1,000 rounds on.
+    allowed = Fraction(1 - confidence) * 2**count  # what 2 * (ways for B < j) may reach
+    j, ways_below, ways_at_j = 1, 1, count  # ways for B < 1, ways for B == 1
+    while j < (count + 1) // 2 and 2 * (ways_below + ways_at_j) <= allowed:
+        ways_below += ways_at_j
+        ways_at_j = ways_at_j * (count - j) // (j + 1)
+        j += 1
+    return ordered[j - 1], ordered[count - j]
 
 
 # Append -----------------------------------------------------------------------------------------
@@ -533,7 +575,13 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
                 "patched": batch * new / best["patched"],
                 "rounds": rounds,
                 "paired": median_paired_ratio(samples["stock"], samples["patched"]),
+                "paired_interval": median_interval(
+                    paired_ratios(samples["stock"], samples["patched"])
+                ),
                 "stock_vs_stock": median_paired_ratio(samples["stock"], samples["stock again"]),
+                "stock_vs_stock_interval": median_interval(
+                    paired_ratios(samples["stock"], samples["stock again"])
+                ),
                 "clock": clock,
             }
         )
@@ -843,6 +891,11 @@ def _ratio(value: float) -> str:
     return f"{value:,.1f}x" if value >= 10 else f"{value:.2f}x"
 
 
+def _with_interval(ratio: float, interval: tuple[float, float]) -> str:
+    # Three decimals: the intervals of a long run are a fraction of a percent wide.
+    return f"{ratio:.3f}x ({interval[0]:.3f}-{interval[1]:.3f})"
+
+
 def _share(part: float, whole: float) -> str:
     return f"{part / whole:.2f}" if whole > 0 else "n/a"
 
@@ -924,18 +977,18 @@ def report(results: Results) -> None:
         )
         for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
-        table.add_column("median of pairs", justify="right")
-        table.add_column("stock/stock (noise)", justify="right")
-        for row in results.generate:
+        table.add_column("median of pairs (95% CI)", justify="right")
+        table.add_column("stock/stock (noise, 95% CI)", justify="right")
+        for run in results.generate:
             table.add_row(
-                str(row["context"]),
-                f"{int(row['prompt'])}+{int(row['new'])}",
-                str(int(row["batch"])),
-                f"{row['stock']:,.0f}",
-                f"{row['patched']:,.0f}",
-                _ratio(row["patched"] / row["stock"]),
-                _ratio(row["paired"]),
-                _ratio(row["stock_vs_stock"]),
+                str(run["context"]),
+                f"{int(run['prompt'])}+{int(run['new'])}",
+                str(int(run["batch"])),
+                f"{run['stock']:,.0f}",
+                f"{run['patched']:,.0f}",
+                _ratio(run["patched"] / run["stock"]),
+                _with_interval(run["paired"], run["paired_interval"]),
+                _with_interval(run["stock_vs_stock"], run["stock_vs_stock_interval"]),
             )
         console.print(table)
     if results.memory:
@@ -1046,6 +1099,13 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="how generations are timed: wall-clock, or this process's CPU time (default wall)",
     )
+    parser.add_argument(
+        "--short-rounds",
+        type=int,
+        metavar="N",
+        help="paired rounds for the short generations (default 41 for 8+48, 61 for 1+16); "
+        "more rounds narrow the interval around the median of pairs",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
@@ -1061,6 +1121,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not sections:
             parser.error(f"--only: expected some of {', '.join(SECTIONS)}; received {args.only!r}")
     sizes = QUICK if args.quick else FULL
+    if args.short_rounds is not None:
+        if args.short_rounds < 1:
+            parser.error(f"--short-rounds: expected at least 1; received {args.short_rounds}")
+        sizes = with_short_rounds(sizes, args.short_rounds)
     layout = targets.locate()
     results = Results(machine=machine())
     hooked = layout.known.has_hooked_transformer

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +34,22 @@ def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def benchmark_module(name: str) -> Any:
+    """Import ``benchmarks/<name>.py`` (the folder is not a package)."""
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+
+
 def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     output = tmp_path / "results.json"
     # Every section but the instruction counts, which run under valgrind (the test below).
     sections = "append,step,generate,memory,trace,autocast,bridge"
-    done = run_script("kv_cache.py", "--quick", "--only", sections, "--json", str(output))
+    done = run_script(
+        "kv_cache.py", "--quick", "--only", sections, "--short-rounds", "6", "--json", str(output)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "append (batch" in done.stdout and ", ratios" in done.stdout
     results = json.loads(output.read_text())
@@ -49,7 +64,14 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     if HAS_HOOKED_TRANSFORMER:
         assert [row["context"] for row in results["generate"]] == ["short", "shortest", "long"]
         assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["generate"])
-        assert all(row["paired"] > 0 and row["stock_vs_stock"] > 0 for row in results["generate"])
+        assert [row["rounds"] for row in results["generate"]] == [6, 6, 1]  # long: as it was
+        for row in results["generate"]:
+            for median, interval in (
+                (row["paired"], row["paired_interval"]),
+                (row["stock_vs_stock"], row["stock_vs_stock_interval"]),
+            ):
+                assert 0 < interval[0] <= median <= interval[1], row
+        assert "median of pairs (95% CI)" in done.stdout
         assert [row["shape"] for row in results["memory"]] == ["long context", "early EOS"]
         assert {"stock", "patched", "cache_bytes"} <= set(results["memory"][0])
         assert results["autocast"]["stock"]["dtype"] == "float32"
@@ -96,6 +118,39 @@ def test_benchmark_refuses_an_unknown_section() -> None:
     assert "--only: expected some of append" in done.stderr and "'append,speed'" in done.stderr
 
 
+def test_benchmark_refuses_zero_rounds() -> None:
+    done = run_script("kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "0")
+    assert done.returncode == 2
+    assert "--short-rounds: expected at least 1; received 0" in done.stderr
+
+
+def _coverage(count: int, j: int) -> Fraction:
+    """Chance that the j-th smallest and j-th largest of ``count`` values enclose the median."""
+    return 1 - 2 * Fraction(sum(math.comb(count, below) for below in range(j)), 2**count)
+
+
+@pytest.mark.parametrize("count", [6, 7, 10, 20, 61, 1000])
+def test_the_median_interval_is_the_narrowest_that_keeps_95_percent(count: int) -> None:
+    kv_cache = benchmark_module("kv_cache")
+    ranks = list(range(1, count + 1))
+    random.Random(count).shuffle(ranks)
+    low, high = kv_cache.median_interval(ranks)
+    j = low  # the values are their own ranks
+    assert high == count + 1 - j
+    assert _coverage(count, j) >= Fraction(95, 100)
+    assert j == (count + 1) // 2 or _coverage(count, j + 1) < Fraction(95, 100)
+
+
+def test_the_median_interval_of_few_values_is_their_range() -> None:
+    kv_cache = benchmark_module("kv_cache")
+    assert kv_cache.median_interval([3.0]) == (3.0, 3.0)
+    assert kv_cache.median_interval([2.0, 5.0, 1.0, 4.0, 3.0]) == (1.0, 5.0)
+    with pytest.raises(ValueError, match="expected at least one value"):
+        kv_cache.median_interval([])
+    with pytest.raises(ValueError, match="expected 0 < confidence < 1; received 1"):
+        kv_cache.median_interval([1.0, 2.0], confidence=1)
+
+
 def test_fresh_memory_copy_prints_its_table() -> None:
     done = run_script("fresh_memory_copy.py", "--rounds", "1")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -117,11 +172,7 @@ def test_instruction_counts_count_both_variants() -> None:
     """The callgrind child runs and counts one generation per variant. The two counts are close
     (each a full forward pass per token; the patched path adds or saves a fraction of a
     percent), so a count of the wrong region, or of nothing, fails."""
-    sys.path.insert(0, str(BENCHMARK.parent))
-    try:
-        import instruction_counts
-    finally:
-        sys.path.remove(str(BENCHMARK.parent))
+    instruction_counts = benchmark_module("instruction_counts")
     rows, reason = instruction_counts.measure([(1, 2)], rounds=1)
     assert reason is None, reason
     (row,) = rows
@@ -132,11 +183,7 @@ def test_instruction_counts_count_both_variants() -> None:
 
 def test_spin_instructions_are_read_from_a_callgrind_dump() -> None:
     """What is left out of each count: a function's own cost lines, not the calls it makes."""
-    sys.path.insert(0, str(BENCHMARK.parent))
-    try:
-        import instruction_counts
-    finally:
-        sys.path.remove(str(BENCHMARK.parent))
+    instruction_counts = benchmark_module("instruction_counts")
     dump = "\n".join(
         [
             "fn=(1) main",
