@@ -170,22 +170,35 @@ def best_of(
     variants: dict[str, Callable[[], float]],
     samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
-    """Run each variant once per round, alternating, and keep each one's smallest result.
+    """Run each variant once per round, in turn, and keep each one's smallest result.
 
-    Every other round runs the variants in reverse order (A B, B A, ...), so that neither gains
-    from always running first or second. ``samples``, when given, receives every result, in
-    round order.
+    The order changes every round so that each variant runs in each place equally often (see
+    :func:`round_order`): none gains from always running first, or always between the others.
+    ``samples``, when given, receives every result, in round order.
     """
     best = {name: float("inf") for name in variants}
     for index in range(rounds):
-        order = list(variants.items())
-        for name, run in order if index % 2 == 0 else reversed(order):
+        for name in round_order(list(variants), index):
+            run = variants[name]
             gc.collect()
             result = run()
             best[name] = min(best[name], result)
             if samples is not None:
                 samples.setdefault(name, []).append(result)
     return best
+
+
+def round_order(names: list[str], index: int) -> list[str]:
+    """The order of ``names`` in round ``index``: rotated by one each round, reversed every other
+    cycle (A B C, B C A, C A B, C B A, A C B, B A C for three; A B, B A, B A, A B for two).
+
+    Every ``2 * len(names)`` rounds each name runs in each place equally often, and each pair of
+    names runs in either order equally often: with a fixed middle (A B C, C B A) the variant in
+    the middle is always timed between the two others.
+    """
+    shift = index % len(names)
+    rotated = names[shift:] + names[:shift]
+    return rotated[::-1] if (index // len(names)) % 2 else rotated
 
 
 def median_paired_ratio(numerators: list[float], denominators: list[float]) -> float:

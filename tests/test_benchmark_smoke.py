@@ -124,6 +124,21 @@ def test_benchmark_refuses_zero_rounds() -> None:
     assert "--short-rounds: expected at least 1; received 0" in done.stderr
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_rounds_give_every_variant_every_place_equally_often(count: int) -> None:
+    kv_cache = benchmark_module("kv_cache")
+    names = [chr(ord("A") + n) for n in range(count)]
+    orders = [kv_cache.round_order(names, index) for index in range(2 * count)]
+    assert all(sorted(order) == names for order in orders)
+    for place in range(count):
+        assert sorted(order[place] for order in orders) == sorted(names * 2)
+    for first in names:
+        for second in names:
+            if first != second:
+                ahead = sum(order.index(first) < order.index(second) for order in orders)
+                assert ahead == count, (first, second, orders)
+
+
 def _coverage(count: int, j: int) -> Fraction:
     """Chance that the j-th smallest and j-th largest of ``count`` values enclose the median."""
     return 1 - 2 * Fraction(sum(math.comb(count, below) for below in range(j)), 2**count)
