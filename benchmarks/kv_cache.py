@@ -201,18 +201,17 @@ def round_order(names: list[str], index: int) -> list[str]:
     return rotated[::-1] if (index // len(names)) % 2 else rotated
 
 
-def median_paired_ratio(numerators: list[float], denominators: list[float]) -> float:
-    """Median over rounds of one variant's time over the other's in the same round.
+def paired_median(
+    numerators: list[float], denominators: list[float]
+) -> tuple[float, tuple[float, float]]:
+    """Median over rounds of one variant's time over the other's in the same round, and its 95%
+    interval (:func:`median_interval`).
 
     A second estimate next to the ratio of bests: on a shared 2-core machine a round is sometimes
     twice as slow for reasons of its own, and a pair run back to back shares most of that.
     """
-    return statistics.median(paired_ratios(numerators, denominators))
-
-
-def paired_ratios(numerators: list[float], denominators: list[float]) -> list[float]:
-    """One variant's time over the other's, round by round."""
-    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=True)]
+    return statistics.median(ratios), median_interval(ratios)
 
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -578,6 +577,8 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
             },
             samples,
         )
+        paired, paired_interval = paired_median(samples["stock"], samples["patched"])
+        same, same_interval = paired_median(samples["stock"], samples["stock again"])
         results.generate.append(
             {
                 "context": label,
@@ -587,14 +588,10 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
                 "stock": batch * new / best["stock"],
                 "patched": batch * new / best["patched"],
                 "rounds": rounds,
-                "paired": median_paired_ratio(samples["stock"], samples["patched"]),
-                "paired_interval": median_interval(
-                    paired_ratios(samples["stock"], samples["patched"])
-                ),
-                "stock_vs_stock": median_paired_ratio(samples["stock"], samples["stock again"]),
-                "stock_vs_stock_interval": median_interval(
-                    paired_ratios(samples["stock"], samples["stock again"])
-                ),
+                "paired": paired,
+                "paired_interval": paired_interval,
+                "stock_vs_stock": same,
+                "stock_vs_stock_interval": same_interval,
                 "clock": clock,
             }
         )
