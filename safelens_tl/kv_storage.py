@@ -12,6 +12,12 @@ holds a handed-out view, or any other tensor sharing the buffer (a slice of it, 
 saved), the new step goes to a fresh buffer and the old one is left to its holders. ``generate``
 drops its views every step, so its appends stay in place.
 
+That test needs torch's count of the tensors on a storage (``torch._C._storage_Use_Count``), which
+CUDA builds of torch have and every build from torch 2.8 on, but CPU-only and macOS builds of
+earlier releases lack. Nothing else tells whether a tensor shares the buffer (a ``detach()``, or any
+view made in inference mode, leaves no trace on the buffer itself), so without it no cache is put
+in a buffer: every cache is appended with ``torch.cat`` (:func:`in_place_appends`).
+
 Layout: the buffers are head-major, ``[batch, heads, capacity, d_head]``, and hand out
 ``[batch, pos, heads, d_head]`` views, so that attention reads them without a copy (see
 :class:`KVStorage`).
@@ -64,9 +70,13 @@ RESERVED_AHEAD: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 
 # How many tensors share a buffer's storage: torch's count of storage references (one per tensor
-# viewing it). Private to torch; where a release lacks it, the buffer's own reference count (which
-# counts its views outside inference mode) stands in.
+# on it, views, detached tensors and inference-mode views included). Private to torch, and defined
+# only in CUDA builds before torch 2.8 (pytorch/pytorch#155451 made it generic). The buffer's own
+# reference count is no substitute: it misses detached tensors, and every view made in inference
+# mode. Read where it is used, not bound once, so that a test can take it away.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: The small-cache limit where in-place appends are unavailable: every cache uses ``torch.cat``.
+_UNLIMITED = sys.maxsize
 #: Tensors of our own on each buffer's storage: the buffer and the current view.
 _OWN_TENSORS = 2
 
@@ -99,11 +109,22 @@ def _storage_of(buffer: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
     return storage, int(storage._cdata)
 
 
-def _other_tensors_share(buffer: torch.Tensor, address: int) -> bool:
-    if _storage_use_count is not None:
-        # + 1: the storage object kept by _storage_of.
-        return int(_storage_use_count(address)) > _OWN_TENSORS + 1
-    return int(buffer._use_count()) > _OWN_TENSORS  # type: ignore[attr-defined]
+def in_place_appends() -> bool:
+    """Whether caches past the small-cache limit live in buffers written in place.
+
+    ``False`` where torch cannot count the tensors sharing a storage (CPU-only and macOS builds
+    before torch 2.8): a buffer written in place could then change a tensor the user still holds,
+    unseen. Every cache is then appended with ``torch.cat``, as stock does, in the dtype and on the
+    device of the keys; :func:`small_cache_limit` and :func:`reserve` change nothing.
+    """
+    return _storage_use_count is not None
+
+
+def _other_tensors_share(address: int) -> bool:
+    if _storage_use_count is None:
+        return True  # cannot tell: copy (never reached, no buffer is made without the count)
+    # + 1: the storage object kept by _storage_of.
+    return int(_storage_use_count(address)) > _OWN_TENSORS + 1
 
 
 def _require_count(name: str, value: object, unit: str = "a number of cached positions") -> int:
@@ -176,7 +197,9 @@ def small_cache_limit(bytes_per_tensor: int) -> AbstractContextManager[None]:
 
 def small_cache_bytes() -> int:
     """The small-cache limit in force, in bytes per tensor; ``0`` while :func:`reserve` is in
-    force (a total reserved asks for a buffer)."""
+    force (a total reserved asks for a buffer); unlimited without :func:`in_place_appends`."""
+    if _storage_use_count is None:
+        return _UNLIMITED
     if _reserved_positions.get() is not None:
         return 0
     return _small_cache_bytes.get()
@@ -326,8 +349,8 @@ class KVStorage:
         known = 1 + _GETREFCOUNT_OWN + (entry.past_values is self.values_view)
         if sys.getrefcount(self.values_view) > known:
             return True
-        return _other_tensors_share(self.keys, self._keys_address) or _other_tensors_share(
-            self.values, self._values_address
+        return _other_tensors_share(self._keys_address) or _other_tensors_share(
+            self._values_address
         )
 
     def backs(self, past_keys: object, past_values: object) -> bool:

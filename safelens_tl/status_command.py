@@ -96,7 +96,17 @@ def collect() -> dict[str, Any]:
             "error": error,
         },
         "activation": safelens_tl.status().to_dict(),
+        "cache": {"in_place_appends": _in_place_appends()},
     }
+
+
+def _in_place_appends() -> bool:
+    # Imported here: kv_storage imports torch, which a report without TransformerLens may lack.
+    try:
+        from safelens_tl import kv_storage
+    except ImportError:
+        return False
+    return kv_storage.in_place_appends()
 
 
 def problems(report: dict[str, Any]) -> list[str]:
@@ -120,6 +130,18 @@ def problems(report: dict[str, Any]) -> list[str]:
         found.append("TransformerLens was imported but nothing was patched; see the failures")
     found.extend(f"{f['source']} ({f['stage']}): {f['message']}" for f in activation["failures"])
     return found
+
+
+#: Why a torch build may not allow in-place appends, and what that costs (see kv_storage).
+NO_IN_PLACE_APPENDS = (
+    "no: this torch build cannot count the tensors sharing a storage (torch._C._storage_Use_Count, "
+    "in CUDA builds and every build from torch 2.8), so caches are appended with torch.cat, as "
+    "stock does: still in the keys' dtype and device, but O(length) per token"
+)
+
+
+def _in_place_text(value: bool) -> str:
+    return "[green]yes[/green]" if value else f"[yellow]{NO_IN_PLACE_APPENDS}[/yellow]"
 
 
 def _yes_no(value: bool) -> str:
@@ -148,6 +170,7 @@ def render(report: dict[str, Any]) -> None:
     table.add_row("active", _yes_no(activation["active"]))
     table.add_row("plugins", escape(", ".join(activation["plugins"]) or "-"))
     table.add_row("patched", escape("\n".join(activation["patched"]) or "nothing"))
+    table.add_row("in-place appends", _in_place_text(report["cache"]["in_place_appends"]))
     if activation["pending"]:
         # TransformerLens imports these lazily; their patches apply at that first import.
         waiting = ", ".join(activation["pending"])

@@ -79,6 +79,57 @@ def test_a_slice_of_a_snapshot_is_kept_apart_too(patched: Any) -> None:
     assert torch.equal(prefix, before)
 
 
+#: What a user may keep of the live cache; each shares its memory.
+SNAPSHOTS = {
+    "itself": lambda tensor: tensor,
+    "slice": lambda tensor: tensor[:, :2],
+    "detach": lambda tensor: tensor.detach(),
+    "permuted": lambda tensor: tensor.permute(0, 2, 1, 3),
+}
+
+
+@pytest.fixture(params=[True, False], ids=["storage-count", "no-storage-count"])
+def storage_count(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether torch can count the tensors on a storage (``torch._C._storage_Use_Count``).
+
+    Taken away to stand for the CPU-only and macOS builds of torch before 2.8, which lack it;
+    they cannot be installed here (PyPI's Linux wheels are CUDA builds, which have it).
+    """
+    if not request.param:
+        monkeypatch.setattr(kv_storage, "_storage_use_count", None)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize(
+    "mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference"]
+)
+@pytest.mark.parametrize("snapshot", sorted(SNAPSHOTS))
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_a_snapshot_in_any_form_is_kept_apart(
+    patched: bool, storage_count: bool, snapshot: str, mode: Any
+) -> None:
+    """Held as a slice, a ``detach()`` or a permuted view, in or out of inference mode, a snapshot
+    does not change when the live cache is edited after the next append: stock's behaviour.
+
+    The buffer has room for that append (``reserve``), so an in-place write is what would break
+    this. Without torch's storage count no buffer is used at all."""
+    if patched:
+        safelens_tl.activate()
+    entry = LAYOUT.entry_class.init_cache_entry(make_cfg(n_heads=HEADS, d_head=D_HEAD), "cpu", 1)
+    torch.manual_seed(0)
+    with kv_storage.reserve(16), mode():
+        entry.append(*step(3))
+        kept = SNAPSHOTS[snapshot](entry.past_keys)
+        before = kept.clone()
+        entry.append(*step())
+        entry.past_keys.fill_(7)  # activation patching on the live cache
+    assert torch.equal(kept, before)
+    assert torch.count_nonzero(entry.past_keys - 7) == 0
+    if patched:
+        buffered = entry.__dict__.get("_safelens_storage") is not None
+        assert buffered == storage_count
+
+
 def test_nothing_held_means_writing_in_place(patched: Any) -> None:
     """The copy-on-write is only for held views: generate's appends stay in the same buffer."""
     entry = filled(True, positions=(3,))

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from safelens_tl import kv_storage
 from safelens_tl.verify import checks
 from tests.conftest import RELEASE, requires_hooked_transformer
 
@@ -90,3 +91,19 @@ def test_fp32_cached_generation_is_identical_to_uncached(patched: Any, name: str
     model = model_for(name, torch.float32)
     agreement, _ = checks.greedy_agreement(model, max_new_tokens=8)
     assert agreement == 1.0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generation_without_the_storage_count_uses_torch_cat(
+    patched: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where torch cannot count a storage's tensors (CPU-only and macOS builds before torch 2.8;
+    taken away here, since those builds cannot be installed on this machine), caches stay in
+    ``torch.cat`` tensors, in the model's dtype, and generation is as right as with buffers."""
+    model = model_for(name, torch.float16)
+    monkeypatch.setattr(kv_storage, "_storage_use_count", None)
+    result = checks.teacher_forced(model)
+    assert result.max_rel_err <= checks.TOLERANCES[torch.float16], result.max_rel_err
+    for entry in result.cache.entries:
+        assert entry.__dict__.get("_safelens_storage") is None
+        assert entry.past_keys.dtype == torch.float16 and entry.past_keys.is_contiguous()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 import safelens_tl
-from safelens_tl import _startup, status_command, targets
+from safelens_tl import _startup, kv_storage, status_command, targets
 from tests.test_autoactivate import Child, Results, started
 
 SCRIPT = Path(sys.executable).with_name("safelens-tl")
@@ -68,6 +69,7 @@ def test_status_json_shows_the_hook_and_what_it_patched(
         if not (pending and target.startswith(targets.BRIDGE_MODULE))
     ]
     assert report["activation"]["plugins"] == list(patched.plugins)
+    assert report["cache"] == {"in_place_appends": True}  # torch 2.13 counts a storage's tensors
 
 
 def test_status_json_with_the_opt_out(children: Results) -> None:
@@ -93,6 +95,23 @@ def test_human_output_lists_release_state_and_every_patch(
     for target in patched.patched:
         assert target in shown
     assert ("problem:" in shown) == (code == status_command.EXIT_PROBLEM)
+
+
+def test_human_output_says_when_appends_cannot_be_in_place(
+    patched: safelens_tl.activation.Status,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The storage count is taken away as on CPU-only and macOS builds before torch 2.8 (which
+    cannot be installed here)."""
+    monkeypatch.setenv("COLUMNS", "400")
+    status_command.run(argparse.Namespace(json=False))
+    assert re.search(r"in-place appends\s+│ yes", capsys.readouterr().out)
+    monkeypatch.setattr(kv_storage, "_storage_use_count", None)
+    status_command.run(argparse.Namespace(json=False))
+    # The start of the explanation: the table folds the rest over several lines.
+    shown = capsys.readouterr().out
+    assert re.search(r"in-place appends\s+│ no: this torch build cannot count", shown)
 
 
 def real_report() -> dict[str, Any]:
