@@ -104,9 +104,10 @@ def storage_count(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     "mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference"]
 )
 @pytest.mark.parametrize("snapshot", sorted(SNAPSHOTS))
+@pytest.mark.parametrize("name", ["past_keys", "past_values"])
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
 def test_a_snapshot_in_any_form_is_kept_apart(
-    patched: bool, storage_count: bool, snapshot: str, mode: Any
+    patched: bool, storage_count: bool, name: str, snapshot: str, mode: Any
 ) -> None:
     """Held as a slice, a ``detach()`` or a permuted view, in or out of inference mode, a snapshot
     does not change when the live cache is edited after the next append: stock's behaviour.
@@ -119,12 +120,12 @@ def test_a_snapshot_in_any_form_is_kept_apart(
     torch.manual_seed(0)
     with kv_storage.reserve(16), mode():
         entry.append(*step(3))
-        kept = SNAPSHOTS[snapshot](entry.past_keys)
+        kept = SNAPSHOTS[snapshot](getattr(entry, name))
         before = kept.clone()
         entry.append(*step())
-        entry.past_keys.fill_(7)  # activation patching on the live cache
+        getattr(entry, name).fill_(7)  # activation patching on the live cache
     assert torch.equal(kept, before)
-    assert torch.count_nonzero(entry.past_keys - 7) == 0
+    assert torch.count_nonzero(getattr(entry, name) - 7) == 0
     if patched:
         buffered = entry.__dict__.get("_safelens_storage") is not None
         assert buffered == storage_count
@@ -138,6 +139,20 @@ def test_nothing_held_means_writing_in_place(patched: Any) -> None:
         for _ in range(storage.capacity - 3):
             entry.append(*step())
     assert entry.__dict__["_safelens_storage"] is storage
+
+
+def test_values_in_another_dtype_are_converted_and_written_in_place(patched: Any) -> None:
+    """Values follow the keys' dtype; converted, the step still goes into the buffer's room."""
+    entry = filled(True, positions=(3,))
+    storage = entry.__dict__["_safelens_storage"]
+    past_keys, past_values = entry.past_keys.clone(), entry.past_values.clone()
+    new_keys, new_values = step()
+    with torch.no_grad():
+        keys, values = entry.append(new_keys, new_values.to(torch.float16))
+    assert entry.__dict__["_safelens_storage"] is storage
+    assert torch.equal(keys, torch.cat([past_keys, new_keys], 1))
+    expected_values = torch.cat([past_values, new_values.to(torch.float16).float()], 1)
+    assert values.dtype == torch.float32 and torch.equal(values, expected_values)
 
 
 @pytest.mark.both_cache_modes
