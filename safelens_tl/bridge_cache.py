@@ -16,6 +16,11 @@ What is patched here, each a no-op unless the renamed argument actually arrives:
   This works without the deprecation shim (5.40) and without its ``FutureWarning`` at every step.
 - ``ModelOutput.past_key_values`` only where transformers no longer has it: the bridge's generate
   loop reads the cache back under that name.
+- The ``forward`` of bridges that take their generation path only when ``cache_params`` arrives
+  (``GatedDeltaNetBridge``, the linear attention of Qwen3-Next and Qwen3.5): transformers 5.24
+  passes that state cache as ``cache`` too, so without this every decoding step of those layers
+  started from an empty state. A cache passed as ``cache`` takes the same path, and reaches the
+  Hugging Face module under the name it was passed.
 
 Which name the installed transformers uses is read from its code (:func:`attention_cache_argument`),
 never from its version number.
@@ -36,6 +41,8 @@ OLD_NAMES = ("past_key_values", "layer_past")
 NEW_NAME = "cache"
 #: The deprecation shim that maps the old name onto the new one (transformers 5.24-5.39).
 SHIM_OLD_NAME = "past_key_values"
+#: What linear-attention (state-space) modules called their cache before transformers 5.24.
+OLD_STATE_NAME = "cache_params"
 
 
 def _parameters(function: Any) -> set[str]:
@@ -166,6 +173,23 @@ def reading_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _only_under_new_name(kwargs):
             kwargs["past_key_values"] = kwargs.pop(NEW_NAME)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def reading_state_forward(original: Callable[..., Any], cached_path: str) -> Callable[..., Any]:
+    """Wrap a bridge's ``forward`` that runs ``cached_path`` only when ``cache_params`` arrives.
+
+    A cache passed as ``cache`` runs that path too, with the arguments as passed: the module
+    below takes ``cache`` from transformers 5.24 on (and ``cache_params`` only through a
+    deprecation shim that warns and goes away in 5.40).
+    """
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(OLD_STATE_NAME) is None and kwargs.get(NEW_NAME) is not None:
+            return getattr(self, cached_path)(*args, **kwargs)
         return original(self, *args, **kwargs)
 
     return forward

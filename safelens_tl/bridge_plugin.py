@@ -9,7 +9,9 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from safelens_tl import bridge_cache, bridge_conversion, targets
 from safelens_tl.hookspecs import hookimpl
@@ -40,8 +42,23 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
     if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
-    readers = [(bridge.attention_class, "_update_kv_cache", bridge_cache.reading_update_kv_cache)]
+    Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+    readers: list[tuple[type, str, Wrapper]] = [
+        (bridge.attention_class, "_update_kv_cache", bridge_cache.reading_update_kv_cache)
+    ]
     readers += [(c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers]
+    for owner, cached_path in bridge.state_cache_readers:
+        if callable(getattr(owner, cached_path, None)):
+            reader = functools.partial(bridge_cache.reading_state_forward, cached_path=cached_path)
+            readers.append((owner, "forward", reader))
+        else:
+            yield Failure(
+                SOURCE,
+                "transformers compatibility",
+                f"{owner.__module__}.{owner.__qualname__} has no {cached_path}; it cannot be "
+                f"taught the `cache` argument of this transformers, so its cached generation "
+                f"may start every step from an empty state",
+            )
     for owner, name, wrap in readers:
         method = owner.__dict__.get(name)
         if callable(method):

@@ -87,6 +87,14 @@ FORWARD_CACHE_READERS: tuple[str, ...] = (
     "transformer_lens.model_bridge.generalized_components.glm_moe_dsa_attention."
     "GlmMoeDsaAttentionBridge",
 )
+#: Bridges that choose their cached (generation) path by whether ``cache_params`` arrives, the
+#: name transformers gave the linear-attention state cache before 5.24 (which passes ``cache``),
+#: each with the method that path runs. Not every release has each.
+STATE_CACHE_READERS: dict[str, str] = {
+    "transformer_lens.model_bridge.generalized_components.gated_delta_net.GatedDeltaNetBridge": (
+        "_native_forward"
+    ),
+}
 _REMOTE_CODE = (
     "trust_remote_code model: its own modeling code passes the cache under its own name, "
     "whatever transformers calls it"
@@ -94,6 +102,10 @@ _REMOTE_CODE = (
 _ENCODER_DECODER = (
     "encoder-decoder block: TransformerBridge.generate recomputes the decoder without a KV cache, "
     "so cached generation does not go through it (hf_generate on these models is not fixed)"
+)
+_EAGER_SCAN_ONLY = (
+    "reads cache_params only to keep its opt-in eager scan (eager_scan=True) to the prompt; by "
+    "default it hands every argument, the cache under whatever name, to the Hugging Face mixer"
 )
 #: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
 #: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
@@ -110,6 +122,12 @@ UNPATCHED_CACHE_READERS: dict[str, str] = {
     ),
     "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge": (
         _ENCODER_DECODER
+    ),
+    "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge": (
+        _EAGER_SCAN_ONLY
+    ),
+    "transformer_lens.model_bridge.generalized_components.ssm2_mixer.SSM2MixerBridge": (
+        _EAGER_SCAN_ONLY
     ),
     "transformer_lens.model_bridge.generalized_components.t5gemma_decoder_block."
     "T5GemmaDecoderBlockBridge": _ENCODER_DECODER,
@@ -134,6 +152,8 @@ class BridgeLayout:
     #: Present in TransformerLens 4.x only.
     driver_class: type | None
     forward_cache_readers: tuple[type, ...]
+    #: Bridges of :data:`STATE_CACHE_READERS` in this release, with their cached path's method.
+    state_cache_readers: tuple[tuple[type, str], ...] = ()
 
 
 def has_bridge() -> bool:
@@ -168,11 +188,17 @@ def locate_bridge() -> BridgeLayout:
             "patched"
         )
     readers = tuple(c for c in map(optional_class, FORWARD_CACHE_READERS) if c is not None)
+    state_readers = tuple(
+        (found, method)
+        for dotted, method in STATE_CACHE_READERS.items()
+        if (found := optional_class(dotted)) is not None
+    )
     return BridgeLayout(
         bridge_class=bridge_class,
         attention_class=attention_class,
         driver_class=optional_class(TRANSFORMERS_DRIVER_CLASS),
         forward_cache_readers=readers,
+        state_cache_readers=state_readers,
     )
 
 
