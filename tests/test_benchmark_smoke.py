@@ -214,3 +214,30 @@ def test_spin_instructions_are_read_from_a_callgrind_dump() -> None:
         ]
     )
     assert instruction_counts.spin_instructions(dump) == 342
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
+    """Llama (the attention bridges) and Qwen3-Next (its GatedDeltaNet linear attention too):
+    patched cached generation agrees with uncached; stock is reported beside it."""
+    path = tmp_path / "architectures.json"
+    names = "LlamaForCausalLM,Qwen3NextForCausalLM"
+    done = run_script("bridge_architectures.py", "--architectures", names, "--json", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cached TransformerBridge generate" in done.stdout
+    results = json.loads(path.read_text())
+    assert list(results) == names.split(",")
+    for name, result in results.items():
+        if "build_error" in result:  # an architecture this release does not have
+            assert name != "LlamaForCausalLM", result
+            continue
+        patched = result["patched"]
+        assert patched["error"] is None and patched["tokens_equal"], (name, patched)
+        assert patched["max_rel_err"] <= 1e-4, (name, patched)
+        assert set(result["stock"]) == {"max_rel_err", "tokens_equal", "error"}
+
+
+def test_bridge_architectures_refuses_an_unknown_architecture() -> None:
+    done = run_script("bridge_architectures.py", "--architectures", "NoSuchForCausalLM")
+    assert done.returncode == 2
+    assert "unknown ['NoSuchForCausalLM']" in done.stderr

@@ -1,0 +1,219 @@
+"""Cached TransformerBridge generate across architectures: patched and stock, each against uncached.
+
+For each architecture a tiny checkpoint with random weights is built from its transformers config
+(two layers, nothing downloaded) and booted with ``TransformerBridge.boot_transformers``. Greedy
+generation of 8 tokens from one prompt and from two left-padded prompts, cached, is compared with
+the bridge's own uncached forward over the generated sequence (largest logit difference relative
+to the largest logit), first with safelens-tl active, then stock. A cache that is ignored, or
+whose state is lost between steps, shows as a relative error near 1.
+
+    HF_HUB_OFFLINE=1 python benchmarks/bridge_architectures.py [--architectures A,B] [--json PATH]
+
+An architecture the installed transformers or TransformerLens lacks, or whose tiny checkpoint
+cannot be built or booted, gets a row saying why. Float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import safelens_tl
+from safelens_tl.verify import bridge, checks, models
+
+#: Settings every tiny checkpoint shares (an architecture's own settings override them).
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    # Larger than the default 0.02 so that logits are well apart and a cache error shows.
+    "initializer_range": 0.3,
+}
+_MOE = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2}
+_LATENT = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+_NO_GQA = {"num_key_value_heads": None, "head_dim": None}
+_HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
+#: Multi-head latent attention sizes its heads from the latent settings, not ``head_dim``.
+_MLA_HEADS = {"num_key_value_heads": 4, "head_dim": None}
+#: architecture -> (transformers config class, its own settings; ``None`` removes a common one).
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "GPT2LMHeadModel": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, **_NO_GQA}),
+    "MistralForCausalLM": ("MistralConfig", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {"moe_intermediate_size": 32}),
+    "Qwen3NextForCausalLM": ("Qwen3NextConfig", {**_HYBRID, "moe_intermediate_size": 32}),
+    "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", _HYBRID),
+    "GemmaForCausalLM": ("GemmaConfig", {}),
+    "Gemma2ForCausalLM": ("Gemma2Config", {}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {}),
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "GraniteForCausalLM": ("GraniteConfig", {}),
+    "MixtralForCausalLM": ("MixtralConfig", {}),
+    "GptOssForCausalLM": ("GptOssConfig", {}),
+    "GPTNeoXForCausalLM": ("GPTNeoXConfig", _NO_GQA),
+    "FalconForCausalLM": ("FalconConfig", _NO_GQA),
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        {**_LATENT, **_MOE, **_MLA_HEADS, "q_lora_rank": 32, "first_k_dense_replace": 2},
+    ),
+    "GlmMoeDsaForCausalLM": (
+        "GlmMoeDsaConfig",
+        {
+            **_LATENT,
+            **_MOE,
+            "q_lora_rank": 32,
+            "first_k_dense_replace": 2,
+            "num_key_value_heads": 4,
+            "index_topk": 64,
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+        },
+    ),
+}
+#: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
+WRONG = 0.1
+
+
+@dataclass
+class Outcome:
+    """One architecture, patched or stock: the worst relative error and whether tokens agree."""
+
+    max_rel_err: float | None = None
+    tokens_equal: bool | None = None
+    error: str | None = None
+
+    def text(self) -> str:
+        """The table cell."""
+        if self.error is not None:
+            return f"[red]{self.error}[/red]"
+        assert self.max_rel_err is not None
+        style = "red" if self.max_rel_err > WRONG or not self.tokens_equal else "green"
+        tokens = "same tokens" if self.tokens_equal else "other tokens"
+        return f"[{style}]{self.max_rel_err:.1e}, {tokens}[/{style}]"
+
+
+def build(architecture: str) -> str:
+    """Save the tiny checkpoint of ``architecture``; return its folder."""
+    import transformers
+
+    config_name, settings = ARCHITECTURES[architecture]
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        raise LookupError(f"transformers {transformers.__version__} has no {config_name}")
+    tokenizer = models.load_tokenizer()
+    merged = {**COMMON, **settings}
+    merged.update(
+        vocab_size=models.vocab_size(),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = config_class(**{key: value for key, value in merged.items() if value is not None})
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    folder = models.scratch_folder(f"hf-{architecture}")
+    auto: Any = transformers.AutoModelForCausalLM
+    with bridge.no_progress_bars():
+        auto.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _last_line(error: BaseException) -> str:
+    return traceback.format_exception_only(error)[-1].strip()[:120]
+
+
+def run(folder: str, active: bool) -> Outcome:
+    """Generate cached and uncached on every batch; stock when ``active`` is false."""
+    if active:
+        safelens_tl.activate()
+    else:
+        safelens_tl.deactivate()
+    try:
+        # Boot-time chatter (TransformerLens prints, transformers warns) would bury the table.
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = bridge.boot_folder(folder, torch.float32)
+            reference = bridge.reference_from(folder, torch.float32)
+            runs = [
+                bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()
+            ]
+    except Exception as error:  # a row saying why, not a crash
+        return Outcome(error=_last_line(error))
+    finally:
+        safelens_tl.deactivate()
+    return Outcome(
+        max_rel_err=max(r.max_rel_err for r in runs),
+        tokens_equal=all(torch.equal(r.cached_tokens, r.uncached_tokens) for r in runs),
+    )
+
+
+def verdict(patched: Outcome, stock: Outcome) -> str:
+    """What safelens-tl changes for this architecture."""
+    if patched.error is not None:
+        return "cannot say (patched fails)"
+    assert patched.max_rel_err is not None
+    if patched.max_rel_err > WRONG or not patched.tokens_equal:
+        return "[red]wrong with safelens-tl[/red]"
+    if stock.error is not None or (stock.max_rel_err or 0.0) > WRONG or not stock.tokens_equal:
+        return "[green]fixed by safelens-tl[/green]"
+    return "right in both"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every architecture asked for and print one table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--architectures",
+        default=",".join(ARCHITECTURES),
+        help="comma-separated, from: " + ", ".join(ARCHITECTURES),
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    arguments = parser.parse_args(argv)
+    chosen = [name.strip() for name in arguments.architectures.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in ARCHITECTURES]
+    if unknown:
+        parser.error(f"--architectures: unknown {unknown}; expected some of {list(ARCHITECTURES)}")
+    table = Table(title=f"cached TransformerBridge generate, float32, tolerance {WRONG}")
+    for column in ("architecture", "patched: cached vs uncached", "stock", "verdict"):
+        table.add_column(column)
+    results: dict[str, Any] = {}
+    # Piped or logged, rich's default 80 columns would fold every cell.
+    console = Console(width=None if Console().is_terminal else 160)
+    for architecture in chosen:
+        console.print(f"[dim]{architecture}...[/dim]")
+        try:
+            folder = build(architecture)
+        except Exception as error:  # the row says why
+            missing = Outcome(error=_last_line(error))
+            table.add_row(architecture, missing.text(), "", "cannot build")
+            results[architecture] = {"build_error": missing.error}
+            continue
+        patched, stock = run(folder, active=True), run(folder, active=False)
+        table.add_row(architecture, patched.text(), stock.text(), verdict(patched, stock))
+        results[architecture] = {"patched": asdict(patched), "stock": asdict(stock)}
+    console.print(table)
+    console.print(f"tolerance of the verifier in float32: {checks.TOLERANCES[torch.float32]}")
+    if arguments.json:
+        with open(arguments.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
