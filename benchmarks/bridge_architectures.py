@@ -126,13 +126,7 @@ def build(architecture: str) -> str:
     )
     config = config_class(**{key: value for key, value in merged.items() if value is not None})
     config.architectures = [architecture]
-    torch.manual_seed(0)
-    folder = models.scratch_folder(f"hf-{architecture}")
-    auto: Any = transformers.AutoModelForCausalLM
-    with bridge.no_progress_bars():
-        auto.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return str(bridge.save_checkpoint(config, architecture, tokenizer))
 
 
 def _last_line(error: BaseException) -> str:

@@ -20,6 +20,8 @@ from safelens_tl.plugins import Failure
 from safelens_tl.targets import Layout
 
 SOURCE = "safelens_tl.bridge_plugin"
+#: What each reader patch applies to the method it replaces.
+_Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 @hookimpl
@@ -42,8 +44,7 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
     if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
-    Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
-    readers: list[tuple[type, str, Wrapper]] = [
+    readers: list[tuple[type, str, _Wrapper]] = [
         (bridge.attention_class, "_update_kv_cache", bridge_cache.reading_update_kv_cache)
     ]
     readers += [(c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers]

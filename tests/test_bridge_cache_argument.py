@@ -166,13 +166,7 @@ def forward_reader_folder(name: str) -> Path:
             "pad_token_id": tokenizer.pad_token_id,
         }
         config = config_class(**{**common, **settings})
-        torch.manual_seed(0)
-        folder = models.scratch_folder(f"hf-{name}")
-        auto: Any = transformers.AutoModelForCausalLM
-        with bridge.no_progress_bars():
-            auto.from_config(config).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        _forward_reader_folders[name] = folder
+        _forward_reader_folders[name] = bridge.save_checkpoint(config, name, tokenizer)
     return _forward_reader_folders[name]
 
 

@@ -322,30 +322,16 @@ def test_entry_matches_torch_cat_reference(
     # steps; without one, a small buffer has room for about one step before it grows.
     reservation = nullcontext() if reserved is None else kv_storage.reserve(reserved)
     with nullcontext() if storage_count else missing, reservation:
-        _run(entry_class, dtype, device, batch, heads, d_head, program, seed, small_limit)
-
-
-def _run(
-    entry_class: type,
-    dtype: torch.dtype,
-    device: str,
-    batch: int,
-    heads: int,
-    d_head: int,
-    program: list[tuple[Any, ...]],
-    seed: int,
-    small_limit: int,
-) -> None:
-    entry = entry_class.init_cache_entry(_cfg(heads, d_head, dtype), device, batch)
-    assert (entry.past_keys.dtype, entry.past_keys.device.type) == (dtype, device)
-    ref = Reference(entry.past_keys, entry.past_values)
-    handed = Handed()
-    for index, operation in enumerate(program):
-        with kv_storage.small_cache_limit(small_limit):
-            _step(entry, ref, operation, seed + index, handed)
-        assert entry.frozen == ref.frozen
-        assert _same(entry.past_keys, ref.keys), operation
-        assert _same(entry.past_values, ref.values), operation
-        assert all(handed.unchanged()), f"a tensor held differs from stock's at {operation}"
-        if not kv_storage.in_place_appends():
-            assert getattr(entry, "_safelens_storage", None) is None, "a buffer without the count"
+        entry = entry_class.init_cache_entry(_cfg(heads, d_head, dtype), device, batch)
+        assert (entry.past_keys.dtype, entry.past_keys.device.type) == (dtype, device)
+        ref = Reference(entry.past_keys, entry.past_values)
+        handed = Handed()
+        for index, operation in enumerate(program):
+            with kv_storage.small_cache_limit(small_limit):
+                _step(entry, ref, operation, seed + index, handed)
+            assert entry.frozen == ref.frozen
+            assert _same(entry.past_keys, ref.keys), operation
+            assert _same(entry.past_values, ref.values), operation
+            assert all(handed.unchanged()), f"a tensor held differs from stock's at {operation}"
+            if not kv_storage.in_place_appends():
+                assert getattr(entry, "_safelens_storage", None) is None, "a buffer, no count"

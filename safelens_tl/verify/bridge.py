@@ -103,20 +103,25 @@ def no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def save_checkpoint(config: Any, name: str, tokenizer: Any) -> Path:
+    """Save a model of ``config`` with random weights (seed 0) and ``tokenizer`` to a new scratch
+    folder ``hf-<name>``, removed at exit; return the folder."""
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
+    torch.manual_seed(0)
+    folder = models.scratch_folder(f"hf-{name}")
+    with no_progress_bars():
+        auto.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def model_folder(name: str = "llama-like-gqa") -> Path:
     """Save the tiny Hugging Face model ``name`` and the tokenizer once per process."""
     if name not in _folders:
-        from transformers import AutoModelForCausalLM
-
-        auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
         tokenizer = models.load_tokenizer()
-        config = BRIDGE_MODELS[name](tokenizer)
-        torch.manual_seed(0)
-        folder = models.scratch_folder(f"hf-{name}")
-        with no_progress_bars():
-            auto.from_config(config).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        _folders[name] = folder
+        _folders[name] = save_checkpoint(BRIDGE_MODELS[name](tokenizer), name, tokenizer)
     return _folders[name]
 
 
