@@ -11,9 +11,10 @@ What is patched here, each a no-op unless the renamed argument actually arrives:
 - ``AttentionBridge._update_kv_cache`` (inherited by almost every attention bridge) and the
   ``forward`` of the bridges that read the argument themselves: a cache passed as ``cache`` is
   read as ``past_key_values``.
-- ``TransformersDriver.forward`` (TransformerLens 4.x): the bridge hands the model its cache as
-  ``past_key_values``; when the model's ``forward`` names it ``cache``, it gets it under that name.
-  This works without the deprecation shim (5.40) and without its ``FutureWarning`` at every step.
+- The call into the model (:mod:`safelens_tl.bridge_model_call`): the bridge hands the model its
+  cache as ``past_key_values``; when the model's ``forward`` names it ``cache``, it gets it under
+  that name (:func:`pass_cache_by_the_models_name`). This works without the deprecation shim
+  (5.40) and without its ``FutureWarning`` at every step.
 - ``ModelOutput.past_key_values`` only where transformers no longer has it: the bridge's generate
   loop reads the cache back under that name.
 - The ``forward`` of bridges that take their generation path only when ``cache_params`` arrives
@@ -133,6 +134,22 @@ def takes_cache_not_past_key_values(model_class: type) -> bool:
     return known
 
 
+#: Keyed by the ``forward`` function itself, so that a replaced method is looked at anew.
+_cache_only: dict[Any, bool] = {}
+
+
+def takes_cache_only(model_class: type) -> bool:
+    """Whether ``model_class.forward`` takes ``cache`` and no longer accepts ``past_key_values``
+    in any form (no parameter, no deprecation shim): a cache passed under the old name would land
+    in ``**kwargs`` and be ignored. Remembered per method: asked at every step."""
+    forward = getattr(model_class, "forward", None)
+    known = _cache_only.get(forward)
+    if known is None:
+        known = NEW_NAME in _parameters(forward) and not accepts_past_key_values(model_class)
+        _cache_only[forward] = known
+    return known
+
+
 def accepts_past_key_values(model_class: type) -> bool:
     """Whether ``model_class.forward`` still takes the cache as ``past_key_values``.
 
@@ -195,18 +212,27 @@ def reading_state_forward(original: Callable[..., Any], cached_path: str) -> Cal
     return forward
 
 
-def renaming_driver_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``TransformersDriver.forward``: pass the cache under the name the model takes."""
+def pass_cache_by_the_models_name(
+    kwargs: dict[str, Any], model_class: type, keep_accepted_old_name: bool
+) -> None:
+    """Move a cache that TransformerBridge passes as ``past_key_values`` to ``cache`` in the
+    keyword arguments of a call into ``model_class`` (the call's own dict), when its ``forward``
+    names it so.
 
-    @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if SHIM_OLD_NAME in kwargs and NEW_NAME not in kwargs:
-            model = getattr(self, "underlying_model", None)
-            if model is not None and takes_cache_not_past_key_values(type(model)):
-                kwargs[NEW_NAME] = kwargs.pop(SHIM_OLD_NAME)
-        return original(self, *args, **kwargs)
-
-    return forward
+    ``keep_accepted_old_name``: leave it where the model still accepts the old name through a
+    deprecation shim (TransformerLens 3.x, whose own code around the call was written for it); only
+    a model that would ignore it (Mamba and FalconMamba from transformers 5.24, whose shim maps only
+    ``cache_params``; every model once the shims go in 5.40) gets it renamed. Otherwise every model
+    that names it ``cache`` gets it so: no ``FutureWarning`` at every step, and no shim needed.
+    """
+    if SHIM_OLD_NAME not in kwargs or NEW_NAME in kwargs:
+        return
+    if keep_accepted_old_name:
+        renamed = takes_cache_only(model_class)
+    else:
+        renamed = takes_cache_not_past_key_values(model_class)
+    if renamed:
+        kwargs[NEW_NAME] = kwargs.pop(SHIM_OLD_NAME)
 
 
 def _cache_of(output: Any) -> Any:

@@ -3,8 +3,8 @@
 ``transformer_lens.model_bridge`` is imported lazily by TransformerLens (about 2 s), so the
 patches are :class:`~safelens_tl.patching.DeferredPatches`: built and installed when that module
 is first imported, not at ``import transformer_lens``. Every patch is chosen by what the installed
-code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache` and
-:mod:`safelens_tl.bridge_conversion`.
+code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
+:mod:`safelens_tl.bridge_conversion` and :mod:`safelens_tl.bridge_state_mask`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from safelens_tl import bridge_cache, bridge_conversion, targets
+from safelens_tl import (
+    bridge_cache,
+    bridge_conversion,
+    bridge_model_call,
+    bridge_state_mask,
+    targets,
+)
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import DeferredPatches, Patch
 from safelens_tl.plugins import Failure
@@ -26,7 +32,7 @@ _Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[DeferredPatches]:
-    """TransformerBridge's cache argument, ``cfg`` sync and rotary precision, when it exists."""
+    """TransformerBridge's cache argument, ``cfg`` sync, state-space masks, when it exists."""
     if not targets.has_bridge():
         return []
     return [DeferredPatches(targets.BRIDGE_MODULE, bridge_patches)]
@@ -42,6 +48,8 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     for name in ("to", "_apply"):
         method = getattr(bridge.bridge_class, name)
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
+    yield from _state_space_mask_patches(bridge)
+    yield _model_call_patch(bridge)
     if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
     readers: list[tuple[type, str, _Wrapper]] = [
@@ -72,28 +80,41 @@ def bridge_patches() -> Iterator[Patch | Failure]:
                 f"the `cache` argument of this transformers, so its cached generation may ignore "
                 f"the cache",
             )
-    yield from _model_call_patches(bridge)
+    yield from _model_output_alias()
 
 
-def _model_call_patches(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
-    """How the bridge hands the cache to the model, and reads it back, once the shim is gone."""
-    if bridge.driver_class is not None:
-        driver = bridge.driver_class
-        yield Patch(
-            driver, "forward", bridge_cache.renaming_driver_forward(driver.__dict__["forward"])
-        )
-    else:
-        model = targets.optional_class(targets.REFERENCE_MODEL)
-        if model is not None and not bridge_cache.accepts_past_key_values(model):
+def _state_space_mask_patches(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
+    """State-space mixers get the mask of the positions they run, with any transformers."""
+    for mixer in bridge.state_space_mixers:
+        method = mixer.__dict__.get("forward")
+        if callable(method):
+            yield Patch(mixer, "forward", bridge_state_mask.trimming_mask_forward(method))
+        else:
             yield Failure(
                 SOURCE,
-                "transformers compatibility",
-                f"the installed transformers no longer accepts `past_key_values` "
-                f"({targets.REFERENCE_MODEL}.forward takes `cache` and has no deprecation shim), "
-                "and this TransformerLens release's TransformerBridge passes the cache under "
-                "that name: cached TransformerBridge.generate would ignore its cache. Use "
-                "TransformerLens 4.x, or transformers<5.40",
+                "state-space mask",
+                f"{mixer.__module__}.{mixer.__qualname__} defines no forward; its cached "
+                "generation of a batch of prompts may be wrong (the mask of every position "
+                "reaches a one-position step)",
             )
+
+
+def _model_call_patch(bridge: targets.BridgeLayout) -> Patch:
+    """The call into the Hugging Face model: the cache under the model's name for it, positions
+    where only ``cache_position`` says them (with any transformers)."""
+    if bridge.driver_class is not None:
+        owner, model_attribute, keep_old_name = bridge.driver_class, "underlying_model", False
+    else:  # TransformerLens 3.x hands the model its arguments from TransformerBridge.forward
+        owner, model_attribute, keep_old_name = bridge.bridge_class, "original_model", True
+    wrapped = bridge_model_call.adapting_model_call(
+        owner.__dict__["forward"], model_attribute, keep_old_name
+    )
+    return Patch(owner, "forward", wrapped)
+
+
+def _model_output_alias() -> Iterator[Patch]:
+    """``output.past_key_values``, which the bridge's generate loop reads, where transformers
+    no longer has it."""
     output = targets.optional_class(targets.MODEL_OUTPUT_CLASS)
     if output is not None and not hasattr(output, bridge_cache.SHIM_OLD_NAME):
         yield Patch(output, bridge_cache.SHIM_OLD_NAME, bridge_cache.output_alias())

@@ -95,6 +95,12 @@ STATE_CACHE_READERS: dict[str, str] = {
         "_native_forward"
     ),
 }
+#: State-space mixer bridges whose Hugging Face mixer multiplies its input by the attention mask it
+#: is given (Mamba, FalconMamba); see :mod:`safelens_tl.bridge_state_mask`. Mamba-2's bridge is
+#: not listed: its Hugging Face model trims the mask before its mixers see it.
+STATE_SPACE_MIXERS: tuple[str, ...] = (
+    "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge",
+)
 _REMOTE_CODE = (
     "trust_remote_code model: its own modeling code passes the cache under its own name, "
     "whatever transformers calls it"
@@ -154,6 +160,8 @@ class BridgeLayout:
     forward_cache_readers: tuple[type, ...]
     #: Bridges of :data:`STATE_CACHE_READERS` in this release, with their cached path's method.
     state_cache_readers: tuple[tuple[type, str], ...] = ()
+    #: Bridges of :data:`STATE_SPACE_MIXERS` in this release.
+    state_space_mixers: tuple[type, ...] = ()
 
 
 def has_bridge() -> bool:
@@ -199,6 +207,9 @@ def locate_bridge() -> BridgeLayout:
         driver_class=optional_class(TRANSFORMERS_DRIVER_CLASS),
         forward_cache_readers=readers,
         state_cache_readers=state_readers,
+        state_space_mixers=tuple(
+            c for c in map(optional_class, STATE_SPACE_MIXERS) if c is not None
+        ),
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }
+#: Models with a recurrent state (Mamba, the linear attention of hybrids) round it to the dtype at
+#: every cached step; where Hugging Face's own cached generate differs from its own uncached
+#: forward by more than the tolerance, the bridge's may differ by up to this many times as much.
+OWN_ROUNDING_FACTOR = 2.0
 #: How a bridge reaches its dtype: booted in it, or booted in float32 and then converted.
 CONVERSIONS = ("boot", "half", "to")
 #: Prompts per batch size: one prompt, and two of different lengths (left-padded).
@@ -181,12 +185,21 @@ class BridgeRun:
     cached_tokens: torch.Tensor
     uncached_tokens: torch.Tensor
     seconds_cached: float
-    seconds_uncached: float
-    #: Of the cache after a cached forward over the prompt; ``None`` when it stayed empty.
+    #: ``None`` where TransformerLens cannot generate without a cache (state-space models).
+    seconds_uncached: float | None
+    #: Of the first attention layer's keys after a cached forward over the prompt; ``None`` when
+    #: no layer holds keys.
     cache_dtype: torch.dtype | None
     cache_device: torch.device | None
     cache_heads: int | None
     expected_cache_heads: int
+    #: Some layers keep a recurrent state (:func:`holds_recurrent_state`).
+    recurrent_state: bool = False
+    #: The cache holds recurrent state only (no attention layer): nothing for the KV checks.
+    state_only: bool = False
+    #: Hugging Face's own cached generate against its own uncached forward, the same prompts
+    #: (:func:`hugging_face_cached_error`): the rounding of the model's cached path itself.
+    hugging_face_cached_rel_err: float | None = None
 
     @property
     def agreement(self) -> float:
@@ -203,21 +216,39 @@ def _step_logits(output: Any) -> torch.Tensor:
 
 
 def first_cache_layer(cache: Any) -> torch.Tensor | None:
-    """Keys of layer 0 of a Hugging Face cache, ``[batch, heads, pos, d_head]``, any release.
+    """Keys of the first layer of a Hugging Face cache that holds any, ``[batch, heads, pos,
+    d_head]``, any release.
 
-    ``None`` when the cache holds nothing (no layer was ever written).
+    Hybrid models (Qwen3-Next, Qwen3.5, Jamba, ...) may start with linear-attention layers, whose
+    recurrent state has no keys. ``None`` when no layer holds keys (nothing was written, or the
+    model has no attention layer).
     """
     if cache is None:
         return None
-    keys: Any
+    candidates: Iterable[Any]
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        keys = getattr(layers[0], "keys", None) if layers else None
+        candidates = (getattr(layer, "keys", None) for layer in layers)
     elif getattr(cache, "key_cache", None) is not None:
-        keys = cache.key_cache[0] if cache.key_cache else None
+        candidates = cache.key_cache
     else:
-        keys = cache[0][0] if len(cache) else None
-    return keys if isinstance(keys, torch.Tensor) and keys.numel() else None
+        candidates = (entry[0] for entry in cache if len(entry))
+    for keys in candidates:
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            return keys
+    return None
+
+
+def holds_recurrent_state(cache: Any) -> bool:
+    """Whether ``cache`` has layers that keep a recurrent state rather than keys and values: the
+    state-space or linear-attention layers of Mamba, Mamba-2, FalconMamba and hybrid models."""
+    if cache is None:
+        return False
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return any(not hasattr(layer, "keys") for layer in layers)
+    # MambaCache of transformers releases before the unified cache layers.
+    return hasattr(cache, "ssm_states")
 
 
 def expected_heads(config: Any) -> int:
@@ -263,24 +294,76 @@ def run_batch(
             position_ids=positions[:, :-new_tokens],
             use_cache=True,
         )
-        cache = getattr(prompt_output, "cache", None) or getattr(
-            prompt_output, "past_key_values", None
+        cache = next(
+            (
+                found
+                for name in ("cache", "past_key_values", "cache_params")
+                if (found := getattr(prompt_output, name, None)) is not None
+            ),
+            None,
         )
     keys = first_cache_layer(cache)
+    recurrent = holds_recurrent_state(cache)
+    prompt_ids, prompt_mask = sequences[:, :-new_tokens], mask[:, :-new_tokens]
+    own_rounding = hugging_face_cached_error(
+        reference, prompt_ids.to(device), prompt_mask.to(device), new_tokens
+    )
+    uncached_tokens: torch.Tensor
+    seconds_uncached: float | None = end - middle
+    if isinstance(uncached, torch.Tensor):
+        uncached_tokens = uncached[:, -new_tokens:]
+    else:
+        # TransformerLens hands a state-space model's use_past_kv_cache=False to Hugging Face's
+        # generate, which caches anyway and returns text. Greedy generation without a cache picks
+        # the uncached forward's top token at each step, so over the cached sequence those choices
+        # agree with the cached tokens exactly when an uncached generation would.
+        uncached_tokens = own[:, -new_tokens - 1 : -1].argmax(dim=-1)
+        seconds_uncached = None
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
         max_rel_err=_relative_error(step_logits, own[:, -new_tokens - 1 : -1]),
         reference_rel_err=_relative_error(step_logits, full[:, -new_tokens - 1 : -1]),
         cached_tokens=sequences[:, -new_tokens:].cpu(),
-        uncached_tokens=uncached[:, -new_tokens:].cpu(),
+        uncached_tokens=uncached_tokens.cpu(),
         seconds_cached=middle - start,
-        seconds_uncached=end - middle,
+        seconds_uncached=seconds_uncached,
         cache_dtype=None if keys is None else keys.dtype,
         cache_device=None if keys is None else keys.device,
         cache_heads=None if keys is None else int(keys.shape[1]),
         expected_cache_heads=expected_heads(reference.config),
+        recurrent_state=recurrent,
+        state_only=recurrent and keys is None,
+        hugging_face_cached_rel_err=own_rounding,
     )
+
+
+def hugging_face_cached_error(
+    reference: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int
+) -> float:
+    """Hugging Face's own greedy cached ``generate`` from ``prompt_ids`` (left-padded, with their
+    mask) against its own uncached forward over what it generated: how far the model's cached
+    path rounds from its uncached one with no TransformerLens involved (relative error)."""
+    with torch.inference_mode():
+        output = reference.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=new_tokens,
+            # Raw logits are compared, so suppressing an early end changes nothing compared.
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        generated = torch.ones(
+            prompt_mask.shape[0], new_tokens, dtype=prompt_mask.dtype, device=prompt_mask.device
+        )
+        mask = torch.cat([prompt_mask, generated], dim=1)
+        positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        full = reference(
+            input_ids=output.sequences, attention_mask=mask, position_ids=positions
+        ).logits
+    return _relative_error(torch.stack(list(output.logits), dim=1), full[:, -new_tokens - 1 : -1])
 
 
 def _relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:

@@ -72,7 +72,7 @@ _scratch: tempfile.TemporaryDirectory[str] | None = None
 
 
 def scratch_folder(name: str) -> Path:
-    """A new folder ``name`` inside this process's scratch directory.
+    """A new folder ``name`` (``name-2``, ... when taken) inside this process's scratch directory.
 
     The scratch directory is removed when the process exits (``TemporaryDirectory`` finalizes
     at interpreter exit), so verifying leaves no model or tokenizer folders behind.
@@ -80,7 +80,11 @@ def scratch_folder(name: str) -> Path:
     global _scratch
     if _scratch is None:
         _scratch = tempfile.TemporaryDirectory(prefix="safelens-tl-")
-    folder = Path(_scratch.name) / name
+    base = Path(_scratch.name)
+    folder, copies = base / name, 1
+    while folder.exists():
+        copies += 1
+        folder = base / f"{name}-{copies}"
     folder.mkdir()
     return folder
 

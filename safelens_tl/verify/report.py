@@ -34,6 +34,9 @@ class CheckResult:
     #: TransformerBridge rows: the error against an independent Hugging Face forward, and its bound.
     reference_rel_err: float | None = None
     reference_tolerance: float | None = None
+    #: TransformerBridge rows: Hugging Face's own cached generate against its uncached forward. For
+    #: models with a recurrent state (Mamba, hybrids) twice this, where larger, is the tolerance.
+    hugging_face_cached_rel_err: float | None = None
     generate_ok: bool | None = None
     greedy_agreement: float | None = None
     cache_dtype: str | None = None

@@ -299,10 +299,20 @@ def _bridge_check(
 
     source = folder if folder is not None else bridge.model_folder(label)
     runs = bridge.run_folder(source, dtype, device)
-    tolerance = tolerance_for(dtype)
+    rounding = [r.hugging_face_cached_rel_err for r in runs if r.hugging_face_cached_rel_err]
+    own_rounding = max(rounding) if rounding else None
+    # Models with a recurrent state cannot be held closer than their own cached path gets without
+    # TransformerLens. Attention-only models stay at the dtype's tolerance: Hugging Face's
+    # attention kernels round differently with and without a cache (up to 8.5e-3 in bfloat16 on
+    # the built-in Llama), and a bound raised to that would pass a cache 1% off.
+    recurrent = any(run.recurrent_state for run in runs)
+    floor = bridge.OWN_ROUNDING_FACTOR * own_rounding if recurrent and own_rounding else 0.0
+    tolerance = max(tolerance_for(dtype), floor)
+    reference_tolerance = max(bridge.REFERENCE_TOLERANCES.get(dtype, tolerance), floor)
     worst = max(runs, key=lambda run: math.inf if math.isnan(run.max_rel_err) else run.max_rel_err)
     cached = sum(run.seconds_cached for run in runs)
-    uncached = sum(run.seconds_uncached for run in runs)
+    timed_uncached = [run.seconds_uncached for run in runs if run.seconds_uncached is not None]
+    uncached = sum(timed_uncached) if len(timed_uncached) == len(runs) else None
     tokens = sum(run.cached_tokens.numel() for run in runs)
     result = CheckResult(
         model=bridge_label(label),
@@ -313,13 +323,14 @@ def _bridge_check(
         tolerance=tolerance,
         max_rel_err=worst.max_rel_err,
         reference_rel_err=max(run.reference_rel_err for run in runs),
-        reference_tolerance=bridge.REFERENCE_TOLERANCES.get(dtype, tolerance),
+        reference_tolerance=reference_tolerance,
+        hugging_face_cached_rel_err=own_rounding,
         generate_ok=True,
         greedy_agreement=sum(run.agreement for run in runs) / len(runs),
         expected_cache_heads=worst.expected_cache_heads,
         ms_per_token_cached=1000 * cached / tokens,
-        ms_per_token_uncached=1000 * uncached / tokens,
-        speedup=uncached / max(cached, 1e-9),
+        ms_per_token_uncached=None if uncached is None else 1000 * uncached / tokens,
+        speedup=None if uncached is None else uncached / max(cached, 1e-9),
     )
     problems = []
     # Written as "not <=" so that a NaN error fails too.
@@ -329,6 +340,11 @@ def _bridge_check(
             f"{worst.max_rel_err:.2e} (relative, batch of {worst.batch}), above the "
             f"{result.dtype} tolerance {tolerance:.0e}"
         )
+        if floor > tolerance_for(dtype):
+            problem += (
+                f" ({bridge.OWN_ROUNDING_FACTOR:g}x the {own_rounding:.1e} by which Hugging "
+                "Face's own cached generate differs from its uncached forward)"
+            )
         diagnosis = None if safelens_tl.is_active() else bridge.cache_argument_diagnosis()
         problems.append(f"{problem}: {diagnosis}" if diagnosis else problem)
     reference_bound = result.reference_tolerance or tolerance
@@ -351,6 +367,8 @@ def _bridge_check(
 
 def _bridge_cache_problems(run: Any, dtype: torch.dtype, device: str) -> list[str]:
     """What is wrong with the Hugging Face cache the bridge filled over a prompt."""
+    if run.state_only:
+        return []  # recurrent state only: no KV cache; the generation itself was checked
     if run.cache_dtype is None or run.cache_device is None:
         return ["after a cached forward over the prompt the cache is still empty"]
     problems = []

@@ -1,0 +1,53 @@
+"""State-space mixers of TransformerBridge get the attention mask of the positions they run.
+
+At every cached step, ``TransformerBridge.generate`` (TransformerLens 3.x/4.x) passes the whole
+running attention mask, one column per position so far, while the model runs only the newest
+position. Hugging Face's Mamba and FalconMamba hand that mask to their mixers as they get it, and
+the mixers multiply their input by it: ``hidden_states * attention_mask[:, :, None]`` with one
+position of input and a mask of every position broadcasts to ``[batch, positions, d_model]``.
+Hugging Face's own ``generate`` never shows this, because it drops the mask at cached steps of
+these models (their ``prepare_inputs_for_generation``). So through TransformerBridge a batch of
+prompts (a single prompt gets no mask) was silently wrong at every step after the first, with any
+transformers release. Mamba-2 and the hybrid models (Bamba, Jamba, NemotronH, ...) are not
+affected: their own ``forward`` trims the mask, or drops it at cached steps, before their mixers
+see it.
+
+The mixer bridge's ``forward`` here keeps the mask's last columns, one per position of its input,
+the rule Mamba-2's own ``forward`` applies (transformers' ``create_recurrent_attention_mask``):
+those are the positions being run (prompts are left-padded and generated tokens are always
+attended). A mask as long as the input, or none, passes unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: The keyword the Hugging Face mixers take the mask under.
+MASK_ARGUMENT = "attention_mask"
+
+
+def _input_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    hidden_states = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3:
+        return int(hidden_states.shape[1])
+    return None
+
+
+def trimming_mask_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a state-space mixer bridge's ``forward``: a mask longer than the input is cut to the
+    input's positions (its last columns)."""
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mask = kwargs.get(MASK_ARGUMENT)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            positions = _input_positions(args, kwargs)
+            if positions is not None and mask.shape[1] > positions:
+                kwargs[MASK_ARGUMENT] = mask[:, -positions:]  # this call's own dict
+        return original(self, *args, **kwargs)
+
+    return forward
