@@ -48,9 +48,10 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     for name in ("to", "_apply"):
         method = getattr(bridge.bridge_class, name)
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
-    yield from _state_space_mask_patches(bridge)
+    renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
+    yield from _state_space_mixer_patches(bridge, renamed)
     yield _model_call_patch(bridge)
-    if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
+    if not renamed:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
     readers: list[tuple[type, str, _Wrapper]] = [
         (bridge.attention_class, "_update_kv_cache", bridge_cache.reading_update_kv_cache)
@@ -83,20 +84,28 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     yield from _model_output_alias()
 
 
-def _state_space_mask_patches(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
-    """State-space mixers get the mask of the positions they run, with any transformers."""
-    for mixer in bridge.state_space_mixers:
+def _state_space_mixer_patches(
+    bridge: targets.BridgeLayout, renamed: bool
+) -> Iterator[Patch | Failure]:
+    """State-space mixers: the mask of the positions they run (any transformers), and their eager
+    scan kept to calls without a cache where transformers passes it as ``cache``."""
+    eager = bridge.eager_scan_mixers if renamed else ()
+    for mixer in dict.fromkeys((*bridge.state_space_mixers, *eager)):
         method = mixer.__dict__.get("forward")
-        if callable(method):
-            yield Patch(mixer, "forward", bridge_state_mask.trimming_mask_forward(method))
-        else:
+        if not callable(method):
             yield Failure(
                 SOURCE,
-                "state-space mask",
+                "state-space mixers",
                 f"{mixer.__module__}.{mixer.__qualname__} defines no forward; its cached "
-                "generation of a batch of prompts may be wrong (the mask of every position "
-                "reaches a one-position step)",
+                "generation may be wrong (for a batch of prompts, or with eager_scan=True)",
             )
+            continue
+        # One patch per method: both adaptations, where both apply, in one wrapper.
+        if mixer in eager:
+            method = bridge_cache.keeping_eager_scan_to_calls_without_a_cache(method)
+        if mixer in bridge.state_space_mixers:
+            method = bridge_state_mask.trimming_mask_forward(method)
+        yield Patch(mixer, "forward", method)
 
 
 def _model_call_patch(bridge: targets.BridgeLayout) -> Patch:

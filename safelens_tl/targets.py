@@ -101,6 +101,13 @@ STATE_CACHE_READERS: dict[str, str] = {
 STATE_SPACE_MIXERS: tuple[str, ...] = (
     "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge",
 )
+#: State-space mixer bridges whose opt-in eager scan (``eager_scan=True``, a Python scan from an
+#: empty state so that the state hooks fire) runs only when no ``cache_params`` arrives, the name
+#: transformers gave their cache before 5.24 (which passes ``cache``). Not every release has each.
+EAGER_SCAN_MIXERS: tuple[str, ...] = (
+    "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge",
+    "transformer_lens.model_bridge.generalized_components.ssm2_mixer.SSM2MixerBridge",
+)
 _REMOTE_CODE = (
     "trust_remote_code model: its own modeling code passes the cache under its own name, "
     "whatever transformers calls it"
@@ -108,10 +115,6 @@ _REMOTE_CODE = (
 _ENCODER_DECODER = (
     "encoder-decoder block: TransformerBridge.generate recomputes the decoder without a KV cache, "
     "so cached generation does not go through it (hf_generate on these models is not fixed)"
-)
-_EAGER_SCAN_ONLY = (
-    "reads cache_params only to keep its opt-in eager scan (eager_scan=True) to the prompt; by "
-    "default it hands every argument, the cache under whatever name, to the Hugging Face mixer"
 )
 #: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
 #: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
@@ -128,12 +131,6 @@ UNPATCHED_CACHE_READERS: dict[str, str] = {
     ),
     "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge": (
         _ENCODER_DECODER
-    ),
-    "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge": (
-        _EAGER_SCAN_ONLY
-    ),
-    "transformer_lens.model_bridge.generalized_components.ssm2_mixer.SSM2MixerBridge": (
-        _EAGER_SCAN_ONLY
     ),
     "transformer_lens.model_bridge.generalized_components.t5gemma_decoder_block."
     "T5GemmaDecoderBlockBridge": _ENCODER_DECODER,
@@ -162,6 +159,8 @@ class BridgeLayout:
     state_cache_readers: tuple[tuple[type, str], ...] = ()
     #: Bridges of :data:`STATE_SPACE_MIXERS` in this release.
     state_space_mixers: tuple[type, ...] = ()
+    #: Bridges of :data:`EAGER_SCAN_MIXERS` in this release.
+    eager_scan_mixers: tuple[type, ...] = ()
 
 
 def has_bridge() -> bool:
@@ -210,6 +209,7 @@ def locate_bridge() -> BridgeLayout:
         state_space_mixers=tuple(
             c for c in map(optional_class, STATE_SPACE_MIXERS) if c is not None
         ),
+        eager_scan_mixers=tuple(c for c in map(optional_class, EAGER_SCAN_MIXERS) if c is not None),
     )
 
 

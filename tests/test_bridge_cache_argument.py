@@ -275,6 +275,7 @@ def test_every_cache_reader_of_the_release_is_patched_or_listed_with_a_reason() 
         targets.ATTENTION_BRIDGE_CLASS,
         *targets.FORWARD_CACHE_READERS,
         *targets.STATE_CACHE_READERS,
+        *targets.EAGER_SCAN_MIXERS,
         *targets.UNPATCHED_CACHE_READERS,
     }
     missing = sorted(readers - covered)
@@ -306,6 +307,7 @@ def test_every_patched_reader_of_the_release_is_patched_after_activation(
     expected = [(layout.attention_class, "_update_kv_cache")]
     expected += [(reader, "forward") for reader in layout.forward_cache_readers]
     expected += [(reader, "forward") for reader, _ in layout.state_cache_readers]
+    expected += [(mixer, "forward") for mixer in layout.eager_scan_mixers]
     for owner, name in expected:
         assert f"{owner.__module__}.{owner.__qualname__}.{name}" in report.patched
     assert not report.failures, report.failures
@@ -315,6 +317,7 @@ def test_deactivate_restores_every_bridge_attribute_exactly() -> None:
     layout = targets.locate_bridge()
     owners = [layout.bridge_class, layout.attention_class, *layout.forward_cache_readers]
     owners += [reader for reader, _ in layout.state_cache_readers]
+    owners += [*layout.state_space_mixers, *layout.eager_scan_mixers]
     if layout.driver_class is not None:
         owners.append(layout.driver_class)
     before = [dict(owner.__dict__) for owner in owners]

@@ -179,6 +179,38 @@ def test_any_other_mask_passes_unchanged(hidden_states: torch.Tensor, mask: Any)
     assert seen[-1] is mask
 
 
+@pytest.mark.parametrize("architecture", ["MambaForCausalLM", "Mamba2ForCausalLM"])
+def test_the_eager_scan_keeps_to_calls_without_a_cache(architecture: str) -> None:
+    """``eager_scan=True`` (TransformerLens scans in Python from an empty state so that
+    ``hook_ssm_state`` fires): a forward without a cache still scans, and cached generation stays
+    right. Stock with transformers 5.24 scans every cached step from an empty state too, since
+    it recognises a cache only as ``cache_params``."""
+    folder = architecture_folder(architecture)
+    reference = bridge.reference_from(folder, torch.float32)
+    safelens_tl.activate()
+    model = bridge.boot_folder(folder, torch.float32)
+    mixers = [m for m in model.modules() if hasattr(m, "_eager_scan_forward")]
+    if not mixers:
+        pytest.skip("this TransformerBridge has no eager scan")
+    fired: list[int] = []
+    for mixer in mixers:
+        mixer.eager_scan = True
+        mixer.hook_ssm_state.add_hook(lambda tensor, hook: fired.append(1))
+    try:
+        model(torch.tensor([[5, 6, 7, 8]]), return_type="logits", use_cache=False)
+        assert fired, "the eager scan no longer runs without a cache"
+        try:
+            runs = [bridge.run_batch(model, reference, p) for p in bridge.BATCHES.values()]
+        except ImportError as missing:  # TransformerLens 3.0: see the test above
+            assert "MambaCache" in str(missing)
+            return
+        for run in runs:
+            assert run.max_rel_err <= checks.TOLERANCES[torch.float32], (architecture, run.batch)
+        assert all(mixer.eager_scan for mixer in mixers)
+    finally:
+        model.reset_hooks()
+
+
 def test_every_state_space_mixer_of_this_release_is_patched() -> None:
     layout = targets.locate_bridge()
     status = safelens_tl.activate()
