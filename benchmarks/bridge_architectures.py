@@ -347,7 +347,9 @@ def verdict(patched: Outcome, stock: Outcome) -> str:
         return "cannot say (patched fails)"
     assert patched.max_rel_err is not None
     if patched.max_rel_err > WRONG or not patched.tokens_equal:
-        return "[red]wrong with safelens-tl[/red]"
+        return (
+            "[red]wrong in both[/red]" if stock == patched else "[red]wrong with safelens-tl[/red]"
+        )
     if not patched.right():
         return "off by more than rounding" + (" in both" if stock == patched else "")
     if not stock.right():
