@@ -50,7 +50,7 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
     renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
     yield from _state_space_mixer_patches(bridge, renamed)
-    yield _model_call_patch(bridge)
+    yield from _model_call_patch(bridge)
     if not renamed:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
     readers: list[tuple[type, str, _Wrapper]] = [
@@ -108,17 +108,24 @@ def _state_space_mixer_patches(
         yield Patch(mixer, "forward", method)
 
 
-def _model_call_patch(bridge: targets.BridgeLayout) -> Patch:
+def _model_call_patch(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
     """The call into the Hugging Face model: the cache under the model's name for it, positions
     where only ``cache_position`` says them (with any transformers)."""
     if bridge.driver_class is not None:
         owner, model_attribute, keep_old_name = bridge.driver_class, "underlying_model", False
     else:  # TransformerLens 3.x hands the model its arguments from TransformerBridge.forward
         owner, model_attribute, keep_old_name = bridge.bridge_class, "original_model", True
-    wrapped = bridge_model_call.adapting_model_call(
-        owner.__dict__["forward"], model_attribute, keep_old_name
-    )
-    return Patch(owner, "forward", wrapped)
+    method = owner.__dict__.get("forward")
+    if not callable(method):
+        yield Failure(
+            SOURCE,
+            "transformers compatibility",
+            f"{owner.__module__}.{owner.__qualname__} defines no forward; the model may not get "
+            "its cache under the name it takes, nor the positions of stateful cached steps",
+        )
+        return
+    wrapped = bridge_model_call.adapting_model_call(method, model_attribute, keep_old_name)
+    yield Patch(owner, "forward", wrapped)
 
 
 def _model_output_alias() -> Iterator[Patch]:
