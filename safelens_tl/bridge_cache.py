@@ -24,7 +24,8 @@ What is patched here, each a no-op unless the renamed argument actually arrives:
   Hugging Face module under the name it was passed.
 - The ``forward`` of the Mamba and Mamba-2 mixer bridges, whose opt-in eager scan
   (``eager_scan=True``) runs whenever no ``cache_params`` arrives: a cache passed as ``cache``
-  keeps it off, as ``cache_params`` did.
+  keeps it off, as ``cache_params`` did (:func:`eager_scan_would_miss_the_cache`, applied in
+  :mod:`safelens_tl.bridge_state_mask`).
 
 Which name the installed transformers uses is read from its code (:func:`attention_cache_argument`),
 never from its version number.
@@ -215,34 +216,20 @@ def reading_state_forward(original: Callable[..., Any], cached_path: str) -> Cal
     return forward
 
 
-def keeping_eager_scan_to_calls_without_a_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a state-space mixer bridge's ``forward`` that runs its opt-in eager scan whenever no
-    ``cache_params`` arrives.
+def eager_scan_would_miss_the_cache(mixer: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a state-space mixer bridge would run its opt-in eager scan on a call that carries a
+    cache.
 
-    The eager scan starts from an empty state, so TransformerLens keeps it to calls without a
-    cache; a cache passed as ``cache`` (transformers 5.24 on) now counts as one too, and the call
-    runs as with the scan off: the Hugging Face mixer, which reads and updates the cache.
+    TransformerLens runs the scan (which starts from an empty state) whenever no ``cache_params``
+    arrives, to keep it to calls without a cache; transformers 5.24 passes that cache as
+    ``cache``. Such a call should run as with the scan off: the Hugging Face mixer, which reads
+    and updates the cache (:func:`safelens_tl.bridge_state_mask.adapting_mixer_forward`).
     """
-
-    @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if (
-            getattr(self, "eager_scan", False)
-            and kwargs.get(OLD_STATE_NAME) is None
-            and kwargs.get(NEW_NAME) is not None
-        ):
-            # TransformerLens decides on this flag and the arguments alone, with no other way
-            # in: it is off for this call only. (Another thread running the same module at this
-            # moment would take the Hugging Face mixer too: the same outputs, without the
-            # eager-scan hooks.)
-            self.eager_scan = False
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                self.eager_scan = True
-        return original(self, *args, **kwargs)
-
-    return forward
+    return (
+        bool(getattr(mixer, "eager_scan", False))
+        and kwargs.get(OLD_STATE_NAME) is None
+        and kwargs.get(NEW_NAME) is not None
+    )
 
 
 def pass_cache_by_the_models_name(

@@ -100,12 +100,13 @@ def _state_space_mixer_patches(
                 "generation may be wrong (for a batch of prompts, or with eager_scan=True)",
             )
             continue
-        # One patch per method: both adaptations, where both apply, in one wrapper.
-        if mixer in eager:
-            method = bridge_cache.keeping_eager_scan_to_calls_without_a_cache(method)
-        if mixer in bridge.state_space_mixers:
-            method = bridge_state_mask.trimming_mask_forward(method)
-        yield Patch(mixer, "forward", method)
+        # One wrapper of the original for whichever adaptations apply: one patch per method.
+        wrapped = bridge_state_mask.adapting_mixer_forward(
+            method,
+            trims_mask=mixer in bridge.state_space_mixers,
+            keeps_eager_scan_uncached=mixer in eager,
+        )
+        yield Patch(mixer, "forward", wrapped)
 
 
 def _model_call_patch(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:

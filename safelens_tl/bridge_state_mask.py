@@ -16,6 +16,9 @@ The mixer bridge's ``forward`` here keeps the mask's last columns, one per posit
 the rule Mamba-2's own ``forward`` applies (transformers' ``create_recurrent_attention_mask``):
 those are the positions being run (prompts are left-padded and generated tokens are always
 attended). A mask as long as the input, or none, passes unchanged.
+
+The same wrapper keeps the mixers' opt-in eager scan (``eager_scan=True``) to calls without a
+cache where transformers passes the cache as ``cache`` (5.24 on): one patch per method.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from safelens_tl import bridge_cache
 
 #: The keyword the Hugging Face mixers take the mask under.
 MASK_ARGUMENT = "attention_mask"
@@ -37,17 +42,46 @@ def _input_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | Non
     return None
 
 
-def trimming_mask_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a state-space mixer bridge's ``forward``: a mask longer than the input is cut to the
-    input's positions (its last columns)."""
+def trim_mask(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Cut a mask longer than the input to the input's positions (its last columns), in the
+    call's own ``kwargs``."""
+    mask = kwargs.get(MASK_ARGUMENT)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        positions = _input_positions(args, kwargs)
+        if positions is not None and mask.shape[1] > positions:
+            kwargs[MASK_ARGUMENT] = mask[:, -positions:]
+
+
+def adapting_mixer_forward(
+    original: Callable[..., Any], trims_mask: bool, keeps_eager_scan_uncached: bool
+) -> Callable[..., Any]:
+    """Wrap a state-space mixer bridge's ``forward``, once for both adaptations it may need.
+
+    ``trims_mask``: :func:`trim_mask`. ``keeps_eager_scan_uncached``: a call that carries a cache
+    under the name transformers 5.24 uses runs with the opt-in eager scan off
+    (:func:`safelens_tl.bridge_cache.eager_scan_would_miss_the_cache`).
+    """
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        mask = kwargs.get(MASK_ARGUMENT)
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            positions = _input_positions(args, kwargs)
-            if positions is not None and mask.shape[1] > positions:
-                kwargs[MASK_ARGUMENT] = mask[:, -positions:]  # this call's own dict
+        if trims_mask:
+            trim_mask(args, kwargs)
+        if keeps_eager_scan_uncached and bridge_cache.eager_scan_would_miss_the_cache(self, kwargs):
+            # TransformerLens decides on this flag and the arguments alone, with no other way
+            # in: it is off for this call only. (Another thread running the same module at this
+            # moment would take the Hugging Face mixer too: the same outputs, without the
+            # eager-scan hooks.)
+            self.eager_scan = False
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.eager_scan = True
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def trimming_mask_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a state-space mixer bridge's ``forward``: a mask longer than the input is cut to the
+    input's positions (its last columns)."""
+    return adapting_mixer_forward(original, trims_mask=True, keeps_eager_scan_uncached=False)
