@@ -70,18 +70,28 @@ def bridge_patches() -> Iterator[Patch | Failure]:
                 f"may start every step from an empty state",
             )
     for owner, name, wrap in readers:
-        method = owner.__dict__.get(name)
-        if callable(method):
-            yield Patch(owner, name, wrap(method))
-        else:
-            yield Failure(
-                SOURCE,
-                "transformers compatibility",
-                f"{owner.__module__}.{owner.__qualname__} defines no {name}; it cannot be taught "
-                f"the `cache` argument of this transformers, so its cached generation may ignore "
-                f"the cache",
-            )
+        yield _own_method_patch(
+            owner,
+            name,
+            wrap,
+            "transformers compatibility",
+            "it cannot be taught the `cache` argument of this transformers, so its cached "
+            "generation may ignore the cache",
+        )
     yield from _model_output_alias()
+
+
+def _own_method_patch(
+    owner: type, name: str, wrap: _Wrapper, area: str, consequence: str
+) -> Patch | Failure:
+    """``owner.<name>`` (defined by ``owner`` itself) replaced by ``wrap`` of it, or a reported
+    :class:`~safelens_tl.plugins.Failure` saying ``consequence`` when ``owner`` defines none."""
+    method = owner.__dict__.get(name)
+    if callable(method):
+        return Patch(owner, name, wrap(method))
+    return Failure(
+        SOURCE, area, f"{owner.__module__}.{owner.__qualname__} defines no {name}; {consequence}"
+    )
 
 
 def _state_space_mixer_patches(
@@ -91,22 +101,19 @@ def _state_space_mixer_patches(
     scan kept to calls without a cache where transformers passes it as ``cache``."""
     eager = bridge.eager_scan_mixers if renamed else ()
     for mixer in dict.fromkeys((*bridge.state_space_mixers, *eager)):
-        method = mixer.__dict__.get("forward")
-        if not callable(method):
-            yield Failure(
-                SOURCE,
-                "state-space mixers",
-                f"{mixer.__module__}.{mixer.__qualname__} defines no forward; its cached "
-                "generation may be wrong (for a batch of prompts, or with eager_scan=True)",
-            )
-            continue
         # One wrapper of the original for whichever adaptations apply: one patch per method.
-        wrapped = bridge_state_mask.adapting_mixer_forward(
-            method,
+        wrap = functools.partial(
+            bridge_state_mask.adapting_mixer_forward,
             trims_mask=mixer in bridge.state_space_mixers,
             keeps_eager_scan_uncached=mixer in eager,
         )
-        yield Patch(mixer, "forward", wrapped)
+        yield _own_method_patch(
+            mixer,
+            "forward",
+            wrap,
+            "state-space mixers",
+            "its cached generation may be wrong (for a batch of prompts, or with eager_scan=True)",
+        )
 
 
 def _model_call_patch(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
@@ -116,17 +123,19 @@ def _model_call_patch(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]
         owner, model_attribute, keep_old_name = bridge.driver_class, "underlying_model", False
     else:  # TransformerLens 3.x hands the model its arguments from TransformerBridge.forward
         owner, model_attribute, keep_old_name = bridge.bridge_class, "original_model", True
-    method = owner.__dict__.get("forward")
-    if not callable(method):
-        yield Failure(
-            SOURCE,
-            "transformers compatibility",
-            f"{owner.__module__}.{owner.__qualname__} defines no forward; the model may not get "
-            "its cache under the name it takes, nor the positions of stateful cached steps",
-        )
-        return
-    wrapped = bridge_model_call.adapting_model_call(method, model_attribute, keep_old_name)
-    yield Patch(owner, "forward", wrapped)
+    wrap = functools.partial(
+        bridge_model_call.adapting_model_call,
+        model_attribute=model_attribute,
+        keep_accepted_old_name=keep_old_name,
+    )
+    yield _own_method_patch(
+        owner,
+        "forward",
+        wrap,
+        "transformers compatibility",
+        "the model may not get its cache under the name it takes, nor the positions of "
+        "stateful cached steps",
+    )
 
 
 def _model_output_alias() -> Iterator[Patch]:
