@@ -186,6 +186,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "Ernie4_5ForCausalLM": ("Ernie4_5Config", {}),
     "Ernie4_5_MoeForCausalLM": ("Ernie4_5_MoeConfig", {"moe_intermediate_size": 32}),
+    "ExaoneForCausalLM": ("ExaoneConfig", {"num_layers": 2}),
     "Exaone4ForCausalLM": ("Exaone4Config", _SLIDING),
     "FlexOlmoForCausalLM": ("FlexOlmoConfig", _EXPERTS),
     "Gemma4ForCausalLM": ("Gemma4TextConfig", _SLIDING),
@@ -256,6 +257,55 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_LATENT, **_MLA_HEADS, "q_lora_rank": 32},
     ),
 }
+#: Multimodal rotary sections, in pairs of dimensions: three that sum to ``head_dim / 2``.
+_MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+#: Vision-language checkpoints, generating text only (what Gemma 3 from 4B up, Mistral Small 3,
+#: Llava and Qwen-VL are published as): architecture -> (config class, its language model's
+#: config class, that model's own settings). The language model takes the sizes above; the
+#: vision tower the smallest sizes of :data:`TINY_VISION` its config has (never run: no image).
+VISION_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3Config", "Gemma3TextConfig", {}),
+    "Gemma4ForConditionalGeneration": ("Gemma4Config", "Gemma4TextConfig", _SLIDING),
+    "Mistral3ForConditionalGeneration": ("Mistral3Config", "MistralConfig", {}),
+    "Llama4ForConditionalGeneration": (
+        "Llama4Config",
+        "Llama4TextConfig",
+        {**_EXPERTS, "layer_types": ["chunked_attention", "full_attention"]},
+    ),
+    "LlavaForConditionalGeneration": ("LlavaConfig", "LlamaConfig", {}),
+    "LlavaNextForConditionalGeneration": ("LlavaNextConfig", "LlamaConfig", {}),
+    "LlavaOnevisionForConditionalGeneration": ("LlavaOnevisionConfig", "Qwen2Config", {}),
+    "Idefics3ForConditionalGeneration": ("Idefics3Config", "LlamaConfig", {}),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", "Qwen2_5_VLTextConfig", _MROPE),
+    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", "Qwen3VLTextConfig", {}),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "Qwen3VLMoeConfig",
+        "Qwen3VLMoeTextConfig",
+        {**_EXPERTS, "moe_intermediate_size": 32},
+    ),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", "Qwen3_5TextConfig", _HYBRID),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeTextConfig",
+        {**_HYBRID, **_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    ),
+    "Glm4vForConditionalGeneration": ("Glm4vConfig", "Glm4vTextConfig", _MROPE),
+}
+#: The smallest vision towers: each vision config takes the names it has.
+TINY_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "depth": 1,
+    "num_heads": 2,
+    "embed_dim": 32,
+    "out_hidden_size": 64,
+    "image_size": 32,
+    "patch_size": 8,
+}
+#: Every architecture the benchmark knows, in table order.
+ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE)
 #: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
 WRONG = 0.1
 #: Below this (the verifier's float32 tolerance), or within twice Hugging Face's own cached error,
@@ -291,15 +341,16 @@ class Outcome:
         return f"[{style}]{self.max_rel_err:.1e}, {tokens}[/{style}]"
 
 
-def build(architecture: str) -> str:
-    """Save the tiny checkpoint of ``architecture``; return its folder."""
+def _config_class(name: str) -> Any:
     import transformers
 
-    config_name, settings = ARCHITECTURES[architecture]
-    config_class = getattr(transformers, config_name, None)
-    if config_class is None:
-        raise LookupError(f"transformers {transformers.__version__} has no {config_name}")
-    tokenizer = models.load_tokenizer()
+    found = getattr(transformers, name, None)
+    if found is None:
+        raise LookupError(f"transformers {transformers.__version__} has no {name}")
+    return found
+
+
+def _language_config(config_name: str, settings: dict[str, Any], tokenizer: Any) -> Any:
     merged = {**COMMON, **settings}
     merged.update(
         vocab_size=models.vocab_size(),
@@ -307,13 +358,53 @@ def build(architecture: str) -> str:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = config_class(**{key: value for key, value in merged.items() if value is not None})
+    settings = {key: value for key, value in merged.items() if value is not None}
+    return _config_class(config_name)(**settings)
+
+
+def _vision_language_config(architecture: str, tokenizer: Any) -> Any:
+    config_name, text_name, settings = VISION_LANGUAGE[architecture]
+    config_class = _config_class(config_name)
+    text = _language_config(text_name, settings, tokenizer)
+    # The default vision tower names its own type (CLIP, SigLIP, Pixtral, ...); keep the type,
+    # shrink what it has.
+    default_vision = config_class().vision_config
+    if default_vision is None:  # Gemma 4 has no tower by default: its own class's defaults
+        default_vision = config_class.sub_configs["vision_config"]()
+    known = default_vision.to_dict()
+    vision = {key: value for key, value in TINY_VISION.items() if key in known}
+    vision["model_type"] = default_vision.model_type
+    config = config_class(text_config=text.to_dict(), vision_config=vision)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, name, getattr(tokenizer, name))
+    # The composite's own setting initializes the language model's weights in some releases.
+    config.initializer_range = COMMON["initializer_range"]
+    return config
+
+
+def build(architecture: str) -> str:
+    """Save the tiny checkpoint of ``architecture``; return its folder."""
+    tokenizer = models.load_tokenizer()
+    if architecture in VISION_LANGUAGE:
+        config = _vision_language_config(architecture, tokenizer)
+    else:
+        config_name, settings = ARCHITECTURES[architecture]
+        config = _language_config(config_name, settings, tokenizer)
     config.architectures = [architecture]
     return str(bridge.save_checkpoint(config, architecture, tokenizer))
 
 
 def _last_line(error: BaseException) -> str:
     return traceback.format_exception_only(error)[-1].strip()[:120]
+
+
+def boot(folder: str) -> Any:
+    """Boot the tiny checkpoint in ``folder`` in float32, with the tiny tokenizer itself.
+
+    transformers 5 loads some model types' tokenizers as their own class whatever the folder
+    says (Qwen2, Qwen3.5-MoE), which reads every prompt of the word-level tokenizer as one token.
+    """
+    return bridge.boot_folder(folder, torch.float32, tokenizer=models.load_tokenizer())
 
 
 def run(folder: str, active: bool) -> Outcome:
@@ -325,7 +416,7 @@ def run(folder: str, active: bool) -> Outcome:
     try:
         # Boot-time chatter (TransformerLens prints, transformers warns) would bury the table.
         with contextlib.redirect_stderr(io.StringIO()):
-            model = bridge.boot_folder(folder, torch.float32)
+            model = boot(folder)
             reference = bridge.reference_from(folder, torch.float32)
             runs = [
                 bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()
@@ -362,15 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--architectures",
-        default=",".join(ARCHITECTURES),
-        help="comma-separated, from: " + ", ".join(ARCHITECTURES),
+        default=",".join(ALL_ARCHITECTURES),
+        help="comma-separated, from: " + ", ".join(ALL_ARCHITECTURES),
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     arguments = parser.parse_args(argv)
     chosen = [name.strip() for name in arguments.architectures.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in ARCHITECTURES]
+    unknown = [name for name in chosen if name not in ALL_ARCHITECTURES]
     if unknown:
-        parser.error(f"--architectures: unknown {unknown}; expected some of {list(ARCHITECTURES)}")
+        parser.error(
+            f"--architectures: unknown {unknown}; expected some of {list(ALL_ARCHITECTURES)}"
+        )
     table = Table(title=f"cached TransformerBridge generate, float32, tolerance {WRONG}")
     columns = ("architecture", "patched: cached vs uncached", "stock", "HF's own", "verdict")
     for column in columns:

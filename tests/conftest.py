@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +38,37 @@ requires_hooked_transformer = pytest.mark.skipif(
     not HAS_HOOKED_TRANSFORMER,
     reason=f"TransformerLens {RELEASE} has no HookedTransformer",
 )
+
+
+#: ``benchmarks/``: scripts, not a package.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_module(name: str) -> Any:
+    """Import ``benchmarks/<name>.py`` (the folder is not a package)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+_architecture_folders: dict[str, Path] = {}
+
+
+def architecture_folder(architecture: str) -> Path:
+    """The tiny checkpoint of ``benchmarks/bridge_architectures.py``, saved once per session;
+    skips where this transformers or TransformerLens lacks the architecture."""
+    factory = importlib.import_module("transformer_lens.factories.architecture_adapter_factory")
+    if architecture not in getattr(factory, "SUPPORTED_ARCHITECTURES", {}):
+        pytest.skip(f"this TransformerBridge does not support {architecture}")
+    if architecture not in _architecture_folders:
+        architectures = benchmark_module("bridge_architectures")
+        try:
+            _architecture_folders[architecture] = Path(architectures.build(architecture))
+        except LookupError as missing:
+            pytest.skip(str(missing))
+    return _architecture_folders[architecture]
 
 
 def make_cfg(

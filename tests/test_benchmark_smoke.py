@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -16,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, requires_hooked_transformer
+from safelens_tl.verify import checks
+from tests.conftest import (
+    HAS_BRIDGE,
+    HAS_HOOKED_TRANSFORMER,
+    architecture_folder,
+    benchmark_module,
+    requires_hooked_transformer,
+)
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_cache.py"
 
@@ -32,15 +38,6 @@ def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
         timeout=300,
         check=False,
     )
-
-
-def benchmark_module(name: str) -> Any:
-    """Import ``benchmarks/<name>.py`` (the folder is not a package)."""
-    sys.path.insert(0, str(BENCHMARK.parent))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARK.parent))
 
 
 def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
@@ -243,6 +240,18 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
         assert patched["hugging_face_rel_err"] <= 1e-4, (name, patched)
 
 
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_architectures_reads_every_prompt_word_by_word() -> None:
+    """transformers 5 loads a Qwen2 checkpoint's tokenizer as Qwen2's own class whatever the
+    folder says, and that class read each prompt of the tiny word-level tokenizer as a single
+    token: the Qwen2 rows checked one-token prompts of equal length, no padding at all."""
+    architectures = benchmark_module("bridge_architectures")
+    model = architectures.boot(architecture_folder("Qwen2ForCausalLM"))
+    tokens = model.to_tokens(list(checks.PROMPTS), padding_side="left")
+    assert tokens.shape[1] >= 9, tokens  # "a big old dog sleeps in the quiet house"
+    assert (tokens[0] == model.tokenizer.pad_token_id).any(), tokens  # the shorter is padded
+
+
 def test_bridge_architectures_refuses_an_unknown_architecture() -> None:
     done = run_script("bridge_architectures.py", "--architectures", "NoSuchForCausalLM")
     assert done.returncode == 2
@@ -257,7 +266,7 @@ def test_no_architecture_generates_worse_patched_than_stock() -> None:
     stock is wrong, is tested per fix: the Llama and GPT-2 tests, and
     ``test_attention_that_reads_the_cache_in_its_own_forward_generates_right``.)"""
     architectures = benchmark_module("bridge_architectures")
-    for name in architectures.ARCHITECTURES:
+    for name in architectures.ALL_ARCHITECTURES:
         try:
             folder = architectures.build(name)
         except Exception:  # an architecture this transformers lacks, or cannot build tiny

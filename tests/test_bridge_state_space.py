@@ -9,8 +9,6 @@ forward trims the mask, is in ``benchmarks/bridge_architectures.py`` and its tes
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +17,7 @@ import torch
 import safelens_tl
 from safelens_tl import bridge_positions, bridge_state_mask, targets
 from safelens_tl.verify import bridge, checks
-from tests.conftest import requires_bridge
-from tests.test_benchmark_smoke import benchmark_module
+from tests.conftest import architecture_folder, requires_bridge
 
 pytestmark = requires_bridge
 
@@ -29,22 +26,6 @@ STATE_SPACE_MODELS = {
     "MambaForCausalLM": "ssm_mixer.SSMMixerBridge",
     "FalconMambaForCausalLM": "ssm_mixer.SSMMixerBridge",
 }
-_folders: dict[str, Path] = {}
-
-
-def architecture_folder(architecture: str) -> Path:
-    """The tiny checkpoint of ``benchmarks/bridge_architectures.py``, saved once per session;
-    skips where this transformers or TransformerLens lacks the architecture."""
-    factory = importlib.import_module("transformer_lens.factories.architecture_adapter_factory")
-    if architecture not in getattr(factory, "SUPPORTED_ARCHITECTURES", {}):
-        pytest.skip(f"this TransformerBridge does not support {architecture}")
-    if architecture not in _folders:
-        architectures = benchmark_module("bridge_architectures")
-        try:
-            _folders[architecture] = Path(architectures.build(architecture))
-        except LookupError as missing:
-            pytest.skip(str(missing))
-    return _folders[architecture]
 
 
 def _mixer(architecture: str) -> type:

@@ -1,19 +1,26 @@
-"""The verifier on TransformerBridge checkpoints beyond pure attention: hybrid and state-space.
+"""The verifier on TransformerBridge checkpoints beyond pure attention: hybrid, state-space and
+vision-language.
 
 A hybrid model's cache starts with linear-attention layers that hold no keys; a state-space
 model's holds none at all, TransformerLens cannot generate it without a cache, and its own cached
-path rounds its recurrent state at every step. Real tiny checkpoints, real verifier.
+path rounds its recurrent state at every step. A vision-language checkpoint keeps its language
+model's sizes in a sub-config, and TransformerLens installs torchvision to boot it. Real tiny
+checkpoints, real verifier.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import safelens_tl
 from safelens_tl.verify import bridge, runner
-from tests.conftest import HAS_HOOKED_TRANSFORMER, requires_bridge
-from tests.test_bridge_state_space import architecture_folder
+from tests.conftest import HAS_HOOKED_TRANSFORMER, architecture_folder, requires_bridge
 
 pytestmark = requires_bridge
 
@@ -91,3 +98,101 @@ def test_attention_models_keep_the_tolerance_of_their_dtype() -> None:
     for check in bridge_checks:
         assert check.hugging_face_cached_rel_err is not None
         assert check.tolerance == runner.tolerance_for(torch.bfloat16)
+
+
+#: Published as vision-language checkpoints, used for text: Gemma 3 from 4B up (Hugging Face's
+#: causal-LM class loads it) and Llava (only the image-text-to-text class does).
+VISION_LANGUAGE = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
+
+
+@pytest.mark.parametrize("architecture", VISION_LANGUAGE)
+def test_a_vision_language_checkpoint_generates_right_and_reports_its_heads(
+    architecture: str, patched: safelens_tl.activation.Status
+) -> None:
+    """The verifier's bridge run read the heads from the top-level config (Gemma 3:
+    ``AttributeError: ... no attribute 'num_attention_heads'``) and loaded the reference with
+    ``AutoModelForCausalLM`` (Llava: "Unrecognized configuration class"). Text only: the
+    language model's two key/value heads are what the cache must hold."""
+    folder = architecture_folder(architecture)
+    safelens_tl.deactivate()
+    try:
+        bridge.boot_folder(folder, torch.float32)
+    except Exception as error:  # TransformerLens 3.0 boots neither (its own vision-tower errors)
+        pytest.skip(f"stock TransformerBridge cannot boot {architecture} here: {error!r}")
+    finally:
+        safelens_tl.activate()
+    runs = bridge.run_folder(folder, torch.float32)
+    for run in runs:
+        assert run.architecture == architecture
+        assert run.cache_heads == run.expected_cache_heads == 2
+        assert run.max_rel_err <= runner.tolerance_for(torch.float32), run
+        assert run.reference_rel_err <= bridge.REFERENCE_TOLERANCES[torch.float32], run
+        assert torch.equal(run.cached_tokens, run.uncached_tokens)
+
+
+@requires_folder_bridge
+def test_a_vision_language_checkpoint_folder_verifies(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """``safelens-tl verify --model FOLDER`` on Llava, which failed before reaching a check."""
+    folder = str(architecture_folder("LlavaForConditionalGeneration"))
+    report = runner.verify_pretrained(folder, (torch.float32,))
+    assert report.passed, [check.error for check in report.checks]
+    assert [check.cache_heads for check in report.checks] == [2]
+
+
+def test_the_heads_of_a_composite_config_are_its_language_model_s() -> None:
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3")
+    text = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    assert bridge.expected_heads(transformers.Gemma3Config(text_config=text)) == 2
+    assert bridge.expected_heads(transformers.LlamaConfig(num_attention_heads=4)) == 4
+
+
+def test_booting_a_vision_language_checkpoint_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TransformerLens 3.x/4.x run ``pip install torchvision`` (or ``uv pip install``) when they
+    boot a vision-language checkpoint; here pip then replaced the CPU torch 2.13 with a CUDA 2.14
+    of several GB. The install TransformerLens starts is recorded here instead of run (running it
+    unguarded is what this test must never do); it has to see installs refused."""
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: TransformerLens installs nothing")
+    attempts: list[tuple[list[str], dict[str, str | None]]] = []
+    watched = ("PIP_NO_INDEX", "PIP_FIND_LINKS", "UV_OFFLINE")
+
+    def record(command: list[str], *args: object, **kwargs: object) -> int:
+        attempts.append((list(command), {name: os.environ.get(name) for name in watched}))
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(subprocess, "check_call", record)
+    before = {name: os.environ.get(name) for name in watched}
+    failed: Exception | None = None
+    try:
+        bridge.boot_folder(architecture_folder("LlavaForConditionalGeneration"), torch.float32)
+    except Exception as error:  # TransformerLens 3.0 then fails on Llava's vision tower
+        failed = error
+    assert {name: os.environ.get(name) for name in watched} == before  # restored
+    if failed is not None and not attempts:
+        pytest.skip(f"TransformerLens failed to boot Llava before installing: {failed!r}")
+    assert attempts, "TransformerLens no longer installs torchvision: revisit the guard"
+    for command, environment in attempts:
+        assert "torchvision" in command
+        assert environment["PIP_NO_INDEX"] == "1" and environment["UV_OFFLINE"] == "1"
+        assert environment["PIP_FIND_LINKS"] != before["PIP_FIND_LINKS"]
+
+
+def test_pip_refuses_to_install_while_installs_are_refused() -> None:
+    """The guard above, against the real pip (``--dry-run``: nothing is installed either way)."""
+    with bridge.package_installs_refused():
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "torchvision"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    # pip words it by what else it knows ("no matching distribution", or a conflict with a
+    # constraints file); either way it fails on torchvision, not on something unrelated.
+    assert done.returncode != 0, done.stdout
+    assert "torchvision" in done.stderr, done.stderr

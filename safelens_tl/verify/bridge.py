@@ -11,8 +11,9 @@ positions derived from it):
 - the bridge's own, in the same dtype: the same sums in another order, so a correct cache differs
   by rounding only, and the tight :data:`~safelens_tl.verify.checks.TOLERANCES` apply (a cache
   1% off fails them);
-- an independent reference, the same checkpoint loaded with ``AutoModelForCausalLM`` (no
-  TransformerLens at all): other kernels, so in half precision it differs by more, and
+- an independent reference, the same checkpoint loaded with ``AutoModelForCausalLM`` (or
+  ``AutoModelForImageTextToText`` for a vision-language checkpoint; no TransformerLens at all):
+  other kernels, so in half precision it differs by more, and
   :data:`REFERENCE_TOLERANCES` apply. It catches what the bridge itself gets wrong.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -107,18 +110,60 @@ def no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def auto_model_class(config: Any) -> Any:
+    """The Auto class that builds a text-generating model of ``config``.
+
+    ``AutoModelForCausalLM`` for language models; ``AutoModelForImageTextToText`` for the
+    vision-language checkpoints it does not take (Llava, Mistral 3, Qwen-VL), which generate text
+    from text alone as well.
+    """
+    import transformers
+
+    image_text: Any = getattr(transformers, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", None)
+    if (
+        type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+        and image_text is not None
+        and type(config) in image_text
+    ):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def save_checkpoint(config: Any, name: str, tokenizer: Any) -> Path:
     """Save a model of ``config`` with random weights (seed 0) and ``tokenizer`` to a new scratch
     folder ``hf-<name>``, removed at exit; return the folder."""
-    from transformers import AutoModelForCausalLM
-
-    auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
     torch.manual_seed(0)
     folder = models.scratch_folder(f"hf-{name}")
     with no_progress_bars():
-        auto.from_config(config).save_pretrained(folder)
+        auto_model_class(config).from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@contextlib.contextmanager
+def package_installs_refused() -> Iterator[None]:
+    """Make ``pip`` and ``uv`` refuse to install anything while booting.
+
+    TransformerLens 3.x and 4.x install torchvision with pip (or uv) when they boot a
+    vision-language checkpoint, to load its image processor. pip then resolves torchvision's
+    pinned torch, which here replaced the CPU torch 2.13 with a CUDA build of 2.14 (several GB).
+    Generating text needs no image processor, and a check must not change the installation it
+    checks, so pip gets no index and an empty folder of packages, and uv no network (it could
+    still install from its own cache); the boot then goes on without the processor, as
+    TransformerLens does whenever the install fails. Not thread-safe: it sets ``os.environ``.
+    """
+    refusal = {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1"}
+    saved = {name: os.environ.get(name) for name in (*refusal, "PIP_FIND_LINKS")}
+    with tempfile.TemporaryDirectory(prefix="safelens-tl-no-packages-") as empty:
+        os.environ.update(refusal, PIP_FIND_LINKS=empty)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def model_folder(name: str = "llama-like-gqa") -> Path:
@@ -135,20 +180,27 @@ def boot(name: str, dtype: torch.dtype, device: str = "cpu", conversion: str = "
 
 
 def boot_folder(
-    folder: str | Path, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    conversion: str = "boot",
+    tokenizer: Any = None,
 ) -> Any:
     """Boot the Hugging Face checkpoint in ``folder`` as a TransformerBridge in ``dtype``.
 
     ``conversion``: ``"boot"`` boots in ``dtype``; ``"half"`` boots in float32 and calls
     ``.half()`` / ``.bfloat16()`` / ``.float()``; ``"to"`` boots in float32, then ``.to(dtype)``.
+    ``tokenizer``: used instead of the folder's own when given.
     """
     from transformer_lens.model_bridge import TransformerBridge
 
     if conversion not in CONVERSIONS:
         raise ValueError(f"conversion must be one of {CONVERSIONS}; received {conversion!r}")
     first = dtype if conversion == "boot" else torch.float32
-    with no_progress_bars(), contextlib.redirect_stdout(None):
-        bridge = TransformerBridge.boot_transformers(str(folder), dtype=first, device=device)
+    with no_progress_bars(), contextlib.redirect_stdout(None), package_installs_refused():
+        bridge = TransformerBridge.boot_transformers(
+            str(folder), dtype=first, device=device, tokenizer=tokenizer
+        )
         if conversion == "to":
             bridge = bridge.to(dtype)
         elif conversion == "half":
@@ -164,11 +216,11 @@ def reference_model(name: str, dtype: torch.dtype, device: str = "cpu") -> Any:
 
 def reference_from(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> Any:
     """The checkpoint in ``folder`` as a plain Hugging Face model: no TransformerLens involved."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    auto: Any = AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(str(folder))
     with no_progress_bars():
-        model = auto.from_pretrained(str(folder), dtype=dtype)
+        model = auto_model_class(config).from_pretrained(str(folder), config=config, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -252,9 +304,15 @@ def holds_recurrent_state(cache: Any) -> bool:
 
 
 def expected_heads(config: Any) -> int:
-    """Key/value heads a correct cache of this Hugging Face config stores."""
-    heads = getattr(config, "num_key_value_heads", None)
-    return int(heads if heads is not None else config.num_attention_heads)
+    """Key/value heads a correct cache of this Hugging Face config stores.
+
+    A vision-language checkpoint (Gemma 3 from 4B up, Llava, Qwen-VL) keeps its language model's
+    sizes in ``text_config``; ``get_text_config()`` finds them there and is the config itself
+    otherwise.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None)
+    return int(heads if heads is not None else text.num_attention_heads)
 
 
 def run_batch(
