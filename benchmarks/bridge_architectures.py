@@ -50,7 +50,17 @@ _EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
 _LATENT = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
 _NO_GQA = {"num_key_value_heads": None, "head_dim": None}
 _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
-_SLIDING = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]}
+#: Local attention spans 4 positions: the prompts (4 and 10 tokens) and the 8 generated tokens go
+#: past it, so a cache that keeps, or masks, the wrong positions shows.
+WINDOW = 4
+_WINDOW = {"sliding_window": WINDOW}
+_SLIDING = {**_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+#: Llama 4's chunked attention: chunks of :data:`WINDOW` positions.
+_CHUNKED = {
+    **_EXPERTS,
+    "attention_chunk_size": WINDOW,
+    "layer_types": ["chunked_attention", "full_attention"],
+}
 #: Multi-head latent attention sizes its heads from the latent settings, not ``head_dim``.
 _MLA_HEADS = {"num_key_value_heads": 4, "head_dim": None}
 #: GPT-2-style names of the sizes.
@@ -70,20 +80,20 @@ _SSM2 = {
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "GPT2LMHeadModel": ("GPT2Config", {**_GPT2_SIZES, **_NO_GQA, "n_positions": None}),
-    "MistralForCausalLM": ("MistralConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", _WINDOW),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": ("Qwen3Config", {}),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {"moe_intermediate_size": 32}),
     "Qwen3NextForCausalLM": ("Qwen3NextConfig", {**_HYBRID, "moe_intermediate_size": 32}),
     "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", _HYBRID),
     "GemmaForCausalLM": ("GemmaConfig", {}),
-    "Gemma2ForCausalLM": ("Gemma2Config", {}),
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", {}),
-    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "Gemma2ForCausalLM": ("Gemma2Config", _WINDOW),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", _WINDOW),
+    "Phi3ForCausalLM": ("Phi3Config", _WINDOW),
     "Olmo2ForCausalLM": ("Olmo2Config", {}),
     "GraniteForCausalLM": ("GraniteConfig", {}),
-    "MixtralForCausalLM": ("MixtralConfig", {}),
-    "GptOssForCausalLM": ("GptOssConfig", {}),
+    "MixtralForCausalLM": ("MixtralConfig", _WINDOW),
+    "GptOssForCausalLM": ("GptOssConfig", _WINDOW),
     "GPTNeoXForCausalLM": ("GPTNeoXConfig", _NO_GQA),
     "FalconForCausalLM": ("FalconConfig", _NO_GQA),
     "DeepseekV3ForCausalLM": (
@@ -156,7 +166,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "RecurrentGemmaForCausalLM": (
         "RecurrentGemmaConfig",
-        {"block_types": ["recurrent", "attention"]},
+        {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW},
     ),
     "OlmoHybridForCausalLM": ("OlmoHybridConfig", _HYBRID),
     "Qwen3_5MoeForCausalLM": (
@@ -180,7 +190,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "DeepseekV4Config",
         {
             **_MOE,
-            "sliding_window": 512,
+            **_WINDOW,
             "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
         },
     ),
@@ -207,7 +217,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "GPTJForCausalLM": ("GPTJConfig", {**_GPT2_SIZES, **_NO_GQA, "rotary_dim": 8}),
     "GPTNeoForCausalLM": (
         "GPTNeoConfig",
-        {"num_layers": 2, "num_heads": 4, "attention_types": [[["global", "local"], 1]], **_NO_GQA},
+        {
+            "num_layers": 2,
+            "num_heads": 4,
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": WINDOW,
+            **_NO_GQA,
+        },
     ),
     "GraniteMoeForCausalLM": ("GraniteMoeConfig", _EXPERTS),
     "HrmTextForCausalLM": ("HrmTextConfig", {}),
@@ -223,15 +239,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["full_attention", "full_attention"],
         },
     ),
-    "Llama4ForCausalLM": (
-        "Llama4TextConfig",
-        {**_EXPERTS, "layer_types": ["chunked_attention", "full_attention"]},
-    ),
+    "Llama4ForCausalLM": ("Llama4TextConfig", _CHUNKED),
     "MiniMaxM2ForCausalLM": ("MiniMaxM2Config", _EXPERTS),
     "Ministral3ForCausalLM": ("Ministral3Config", {}),
     "ModernBertDecoderForCausalLM": (
         "ModernBertDecoderConfig",
-        {"sliding_window": 512, "layer_types": ["full_attention", "sliding_attention"]},
+        {**_WINDOW, "layer_types": ["full_attention", "sliding_attention"]},
     ),
     "MptForCausalLM": ("MptConfig", {"d_model": 64, "n_layers": 2, "n_heads": 4, **_NO_GQA}),
     "NanoChatForCausalLM": ("NanoChatConfig", {}),
@@ -249,7 +262,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "SeedOssForCausalLM": ("SeedOssConfig", {}),
     "SmolLM3ForCausalLM": ("SmolLM3Config", {}),
     "StableLmForCausalLM": ("StableLmConfig", {}),
-    "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", _WINDOW),
     "VaultGemmaForCausalLM": ("VaultGemmaConfig", _SLIDING),
     "XGLMForCausalLM": ("XGLMConfig", {"d_model": 64, "num_layers": 2, "ffn_dim": 128, **_NO_GQA}),
     "YoutuForCausalLM": (
@@ -264,14 +277,10 @@ _MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]
 #: config class, that model's own settings). The language model takes the sizes above; the
 #: vision tower the smallest sizes of :data:`TINY_VISION` its config has (never run: no image).
 VISION_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3Config", "Gemma3TextConfig", {}),
+    "Gemma3ForConditionalGeneration": ("Gemma3Config", "Gemma3TextConfig", _WINDOW),
     "Gemma4ForConditionalGeneration": ("Gemma4Config", "Gemma4TextConfig", _SLIDING),
-    "Mistral3ForConditionalGeneration": ("Mistral3Config", "MistralConfig", {}),
-    "Llama4ForConditionalGeneration": (
-        "Llama4Config",
-        "Llama4TextConfig",
-        {**_EXPERTS, "layer_types": ["chunked_attention", "full_attention"]},
-    ),
+    "Mistral3ForConditionalGeneration": ("Mistral3Config", "MistralConfig", _WINDOW),
+    "Llama4ForConditionalGeneration": ("Llama4Config", "Llama4TextConfig", _CHUNKED),
     "LlavaForConditionalGeneration": ("LlavaConfig", "LlamaConfig", {}),
     "LlavaNextForConditionalGeneration": ("LlavaNextConfig", "LlamaConfig", {}),
     "LlavaOnevisionForConditionalGeneration": ("LlavaOnevisionConfig", "Qwen2Config", {}),

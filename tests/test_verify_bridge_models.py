@@ -168,9 +168,10 @@ def test_booting_a_vision_language_checkpoint_installs_nothing(
 
     monkeypatch.setattr(subprocess, "check_call", record)
     before = {name: os.environ.get(name) for name in watched}
+    folder = architecture_folder("LlavaForConditionalGeneration")
     failed: Exception | None = None
     try:
-        bridge.boot_folder(architecture_folder("LlavaForConditionalGeneration"), torch.float32)
+        bridge.boot_folder(folder, torch.float32)
     except Exception as error:  # TransformerLens 3.0 then fails on Llava's vision tower
         failed = error
     assert {name: os.environ.get(name) for name in watched} == before  # restored

@@ -1,0 +1,115 @@
+"""What users do around cached ``TransformerBridge.generate``, with safelens-tl active.
+
+Generating again on the same bridge, streaming, generating under hooks and stopping a row at EOS
+must each give what the bridge's own uncached forward gives over the generated tokens
+(teacher-forced, same hooks). Llama stands for the KV cache, Mamba for a recurrent state; greedy,
+float32, the tiny checkpoints of ``benchmarks/bridge_architectures.py``. With transformers 5.24
+stock fails all of these (its cache is ignored); the tests are about safelens-tl's patches not
+breaking these paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl.verify import checks
+from tests.conftest import architecture_folder, benchmark_module, requires_bridge
+
+pytestmark = requires_bridge
+
+NEW_TOKENS = 8
+PROMPTS = list(checks.PROMPTS)
+Hook = tuple[str, Callable[..., torch.Tensor]]
+
+
+@pytest.fixture(params=["LlamaForCausalLM", "MambaForCausalLM"])
+def model(request: pytest.FixtureRequest, patched: safelens_tl.activation.Status) -> Any:
+    """A patched TransformerBridge of the tiny checkpoint, booted with the tiny tokenizer."""
+    return benchmark_module("bridge_architectures").boot(str(architecture_folder(request.param)))
+
+
+def _greedy(**changes: Any) -> dict[str, Any]:
+    arguments = checks.greedy_arguments(NEW_TOKENS)
+    arguments.update(changes)
+    return arguments
+
+
+def _uncached_logits(model: Any, sequences: torch.Tensor, hooks: Sequence[Hook] = ()) -> Any:
+    """Logits of one uncached forward over left-padded ``sequences``, under ``hooks``."""
+    prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
+    mask = checks.left_padding_mask(sequences, model.tokenizer, prepend_bos)
+    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    with torch.inference_mode():
+        return model.run_with_hooks(
+            sequences,
+            attention_mask=mask,
+            position_ids=positions,
+            return_type="logits",
+            fwd_hooks=list(hooks),
+        )
+
+
+def _uncached_choices(model: Any, sequences: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The token the uncached forward picks at each of the last ``new_tokens`` steps."""
+    logits: torch.Tensor = _uncached_logits(model, sequences)
+    return logits[:, -new_tokens - 1 : -1].argmax(dim=-1)
+
+
+def test_generating_again_gives_the_same_tokens(model: Any) -> None:
+    """Nothing of one generation (a cache, a state, a plan) reaches the next."""
+    first = model.generate(PROMPTS, **_greedy())
+    model.generate(["the red bird sings while", "dog"], **_greedy())
+    again = model.generate(PROMPTS, **_greedy())
+    assert torch.equal(first, again)
+    assert torch.equal(first[:, -NEW_TOKENS:], _uncached_choices(model, first, NEW_TOKENS))
+
+
+def test_a_stream_yields_what_generate_returns(model: Any) -> None:
+    if not hasattr(model, "generate_stream"):
+        pytest.skip("this TransformerBridge has no generate_stream")
+    whole = model.generate(PROMPTS, **_greedy())
+    # The first piece holds the prompt and the first token, each later one the tokens since.
+    pieces = list(model.generate_stream(PROMPTS, max_tokens_per_yield=3, **_greedy()))
+    assert len(pieces) > 1
+    assert torch.equal(torch.cat(pieces, dim=1), whole)
+
+
+def test_hooks_act_on_cached_steps_as_on_the_uncached_forward(model: Any) -> None:
+    """A hook that edits the residual stream of layer 0 feeds its edit into the cache (keys and
+    values, or the state) of layer 1: the cached logits must be the hooked uncached ones."""
+    shift = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(0)) * 2
+
+    def add_shift(activation: torch.Tensor, hook: Any) -> torch.Tensor:
+        return activation + shift.to(activation.dtype)
+
+    hooks: list[Hook] = [("blocks.0.hook_resid_post", add_shift)]
+    with model.hooks(fwd_hooks=hooks):
+        output = model.generate(PROMPTS, output_logits=True, **_greedy())
+    cached = torch.stack(list(output.logits), dim=1)
+    hooked = _uncached_logits(model, output.sequences, hooks)[:, -NEW_TOKENS - 1 : -1]
+    plain = _uncached_logits(model, output.sequences)[:, -NEW_TOKENS - 1 : -1]
+    scale = hooked.abs().max()
+    assert (plain - hooked).abs().max() / scale > 0.01  # the hook changes what is computed
+    assert (cached - hooked).abs().max() / scale <= checks.TOLERANCES[torch.float32]
+
+
+def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any) -> None:
+    """The first row's third token is made the EOS: that row ends there while the other goes on,
+    and every token up to each row's EOS is the uncached forward's choice."""
+    plain = model.generate(PROMPTS, **_greedy())
+    eos = int(plain[0, -NEW_TOKENS + 2])
+    ended = model.generate(PROMPTS, **_greedy(stop_at_eos=True, eos_token_id=eos))
+    generated = ended.shape[1] - (plain.shape[1] - NEW_TOKENS)
+    choices = _uncached_choices(model, ended, generated)
+    assert (ended[0, -generated:] == eos).any()
+    for row in range(ended.shape[0]):
+        for step in range(generated):
+            token = int(ended[row, step - generated])
+            assert token == int(choices[row, step]), (row, step, ended, choices)
+            if token == eos:
+                break
