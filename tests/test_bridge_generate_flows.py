@@ -30,7 +30,16 @@ Hook = tuple[str, Callable[..., torch.Tensor]]
 @pytest.fixture(params=["LlamaForCausalLM", "MambaForCausalLM"])
 def model(request: pytest.FixtureRequest, patched: safelens_tl.activation.Status) -> Any:
     """A patched TransformerBridge of the tiny checkpoint, booted with the tiny tokenizer."""
-    return benchmark_module("bridge_architectures").boot(str(architecture_folder(request.param)))
+    bridge = benchmark_module("bridge_architectures").boot(str(architecture_folder(request.param)))
+    try:
+        bridge.generate(PROMPTS[:1], **_greedy(max_new_tokens=1))
+    except ImportError as missing:
+        # TransformerLens 3.0's Mamba adapter imports MambaCache, which transformers 5.24 removed:
+        # it cannot generate, stock or patched (asserted in test_bridge_state_space.py).
+        if "MambaCache" not in str(missing):
+            raise
+        pytest.skip(f"this TransformerBridge cannot generate {request.param}: {missing}")
+    return bridge
 
 
 def _greedy(**changes: Any) -> dict[str, Any]:
