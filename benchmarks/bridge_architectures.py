@@ -1,7 +1,9 @@
 """Cached TransformerBridge generate across architectures: patched and stock, each against uncached.
 
 For each architecture a tiny checkpoint with random weights is built from its transformers config
-(two layers, nothing downloaded) and booted with ``TransformerBridge.boot_transformers``. Greedy
+(two layers, nothing downloaded; vision-language checkpoints get a one-layer vision tower and are
+given text only; local attention spans :data:`WINDOW` positions, so generation goes past it) and
+booted with ``TransformerBridge.boot_transformers`` and the tiny tokenizer. Greedy
 generation of 8 tokens from one prompt and from two left-padded prompts, cached, is compared with
 the bridge's own uncached forward over the generated sequence (largest logit difference relative
 to the largest logit), first with safelens-tl active, then stock. A cache that is ignored, or
@@ -367,8 +369,9 @@ def _language_config(config_name: str, settings: dict[str, Any], tokenizer: Any)
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    settings = {key: value for key, value in merged.items() if value is not None}
-    return _config_class(config_name)(**settings)
+    return _config_class(config_name)(
+        **{key: value for key, value in merged.items() if value is not None}
+    )
 
 
 def _vision_language_config(architecture: str, tokenizer: Any) -> Any:

@@ -17,6 +17,7 @@ import pytest
 
 from safelens_tl.verify import checks
 from tests.conftest import (
+    BENCHMARKS,
     HAS_BRIDGE,
     HAS_HOOKED_TRANSFORMER,
     architecture_folder,
@@ -24,7 +25,7 @@ from tests.conftest import (
     requires_hooked_transformer,
 )
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "kv_cache.py"
+BENCHMARK = BENCHMARKS / "kv_cache.py"
 
 
 def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl.verify import checks
+from safelens_tl.verify import bridge, checks
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 
 pytestmark = requires_bridge
@@ -30,16 +30,16 @@ Hook = tuple[str, Callable[..., torch.Tensor]]
 @pytest.fixture(params=["LlamaForCausalLM", "MambaForCausalLM"])
 def model(request: pytest.FixtureRequest, patched: safelens_tl.activation.Status) -> Any:
     """A patched TransformerBridge of the tiny checkpoint, booted with the tiny tokenizer."""
-    bridge = benchmark_module("bridge_architectures").boot(str(architecture_folder(request.param)))
+    booted = benchmark_module("bridge_architectures").boot(str(architecture_folder(request.param)))
     try:
-        bridge.generate(PROMPTS[:1], **_greedy(max_new_tokens=1))
+        booted.generate(PROMPTS[:1], **_greedy(max_new_tokens=1))
     except ImportError as missing:
         # TransformerLens 3.0's Mamba adapter imports MambaCache, which transformers 5.24 removed:
         # it cannot generate, stock or patched (asserted in test_bridge_state_space.py).
         if "MambaCache" not in str(missing):
             raise
         pytest.skip(f"this TransformerBridge cannot generate {request.param}: {missing}")
-    return bridge
+    return booted
 
 
 def _greedy(**changes: Any) -> dict[str, Any]:
@@ -50,9 +50,7 @@ def _greedy(**changes: Any) -> dict[str, Any]:
 
 def _uncached_logits(model: Any, sequences: torch.Tensor, hooks: Sequence[Hook] = ()) -> Any:
     """Logits of one uncached forward over left-padded ``sequences``, under ``hooks``."""
-    prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
-    mask = checks.left_padding_mask(sequences, model.tokenizer, prepend_bos)
-    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    mask, positions = bridge.mask_and_positions(model, sequences)
     with torch.inference_mode():
         return model.run_with_hooks(
             sequences,

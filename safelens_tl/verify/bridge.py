@@ -315,6 +315,18 @@ def expected_heads(config: Any) -> int:
     return int(heads if heads is not None else text.num_attention_heads)
 
 
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(dim=1) - 1).clamp_min(0)
+
+
+def mask_and_positions(bridge: Any, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention mask and positions of left-padded ``sequences`` as ``bridge`` tokenized them:
+    what an uncached forward over a generated sequence needs to see what generation saw."""
+    prepend_bos = bool(getattr(bridge.cfg, "default_prepend_bos", True))
+    mask = checks.left_padding_mask(sequences, bridge.tokenizer, prepend_bos)
+    return mask, _positions(mask)
+
+
 def run_batch(
     bridge: Any, reference: Any, prompts: Sequence[str], new_tokens: int = NEW_TOKENS
 ) -> BridgeRun:
@@ -332,10 +344,7 @@ def run_batch(
     end = time.perf_counter()
     sequences = output.sequences
     step_logits = _step_logits(output)
-    mask = checks.left_padding_mask(
-        sequences, bridge.tokenizer, bool(getattr(bridge.cfg, "default_prepend_bos", True))
-    )
-    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    mask, positions = mask_and_positions(bridge, sequences)
     device = next(reference.parameters()).device
     with torch.inference_mode():
         full = reference(
@@ -417,7 +426,7 @@ def hugging_face_cached_error(
             prompt_mask.shape[0], new_tokens, dtype=prompt_mask.dtype, device=prompt_mask.device
         )
         mask = torch.cat([prompt_mask, generated], dim=1)
-        positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        positions = _positions(mask)
         full = reference(
             input_ids=output.sequences, attention_mask=mask, position_ids=positions
         ).logits
