@@ -13,9 +13,11 @@ model's own cached path rounds differently (recurrent states, HRM's loops), twic
 as right.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_architectures.py [--architectures A,B] [--json PATH]
+        [--dtype float32|float16|bfloat16] [--conversion boot|half|to]
 
 An architecture the installed transformers or TransformerLens lacks, or whose tiny checkpoint
-cannot be built or booted, gets a row saying why. Float32 on CPU.
+cannot be built or booted, gets a row saying why. CPU; float32 unless ``--dtype`` says otherwise,
+where right means within the verifier's tolerance for that dtype and a cache stored in it.
 """
 
 from __future__ import annotations
@@ -319,9 +321,6 @@ TINY_VISION: dict[str, Any] = {
 ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE)
 #: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
 WRONG = 0.1
-#: Below this (the verifier's float32 tolerance), or within twice Hugging Face's own cached error,
-#: a cached generation counts as right.
-RIGHT = checks.TOLERANCES[torch.float32]
 
 
 @dataclass
@@ -334,22 +333,63 @@ class Outcome:
     #: Hugging Face's own cached generate of the same prompts against its uncached forward: some
     #: models' cached path rounds differently by itself (recurrent states, HRM's loops).
     hugging_face_rel_err: float | None = None
+    #: The model's dtype and what the first attention layer's cache holds after a cached forward
+    #: over a prompt (``None`` where no layer holds keys: state-space models).
+    dtype: str = "float32"
+    cache_dtype: str | None = None
+    #: Key/value heads of that layer's cache, and how many the config asks for (grouped-query
+    #: attention stores fewer than the query heads).
+    cache_heads: int | None = None
+    expected_heads: int | None = None
 
-    def right(self) -> bool:
-        """Tokens agree and logits within :data:`RIGHT`, or twice Hugging Face's own error."""
-        if self.error is not None or self.max_rel_err is None or not self.tokens_equal:
+    def within_rounding(self) -> bool:
+        """Logits within the verifier's tolerance for the dtype, or twice Hugging Face's own
+        error."""
+        if self.error is not None or self.max_rel_err is None:
             return False
         own = self.hugging_face_rel_err or 0.0
-        return self.max_rel_err <= max(RIGHT, bridge.OWN_ROUNDING_FACTOR * own)
+        tolerance = checks.TOLERANCES[getattr(torch, self.dtype)]
+        return self.max_rel_err <= max(tolerance, bridge.OWN_ROUNDING_FACTOR * own)
+
+    def cache_right(self) -> bool:
+        """The cache, if the model keeps keys at all, holds the model's dtype and as many heads
+        as the config asks for."""
+        heads_right = self.cache_heads is None or self.cache_heads == self.expected_heads
+        return self.cache_dtype in (None, self.dtype) and heads_right
+
+    def cache_problem(self) -> str:
+        """What :meth:`cache_right` found wrong, or ``""``."""
+        problems = []
+        if self.cache_dtype not in (None, self.dtype):
+            problems.append(f"cache in {self.cache_dtype}")
+        if self.cache_heads is not None and self.cache_heads != self.expected_heads:
+            problems.append(f"{self.cache_heads} cached heads, {self.expected_heads} expected")
+        return ", ".join(problems)
+
+    def right(self) -> bool:
+        """Logits within rounding (:meth:`within_rounding`), the cache in the model's dtype, and,
+        in float32, the same tokens. In half precision a greedy choice between two logits closer
+        than the dtype's rounding may go either way, as Hugging Face's own does (a tiny Mamba in
+        bfloat16); the logits compared are over the same sequence, so that still shows."""
+        if not self.within_rounding() or not self.cache_right():
+            return False
+        return bool(self.tokens_equal) or self.dtype != "float32"
+
+    def wrong(self) -> bool:
+        """Far off: the cache ignored or lost (above :data:`WRONG`), or other tokens for logits
+        outside rounding."""
+        assert self.max_rel_err is not None
+        return self.max_rel_err > WRONG or not (self.tokens_equal or self.within_rounding())
 
     def text(self) -> str:
         """The table cell."""
         if self.error is not None:
             return f"[red]{self.error}[/red]"
         assert self.max_rel_err is not None
-        style = "red" if self.max_rel_err > WRONG or not self.tokens_equal else "green"
+        style = "green" if self.right() else "red" if self.wrong() else "yellow"
         tokens = "same tokens" if self.tokens_equal else "other tokens"
-        return f"[{style}]{self.max_rel_err:.1e}, {tokens}[/{style}]"
+        stored = f", {self.cache_problem()}" if self.cache_problem() else ""
+        return f"[{style}]{self.max_rel_err:.1e}, {tokens}{stored}[/{style}]"
 
 
 def _config_class(name: str) -> Any:
@@ -410,17 +450,23 @@ def _last_line(error: BaseException) -> str:
     return traceback.format_exception_only(error)[-1].strip()[:120]
 
 
-def boot(folder: str) -> Any:
-    """Boot the tiny checkpoint in ``folder`` in float32, with the tiny tokenizer itself.
+def boot(folder: str, dtype: torch.dtype = torch.float32, conversion: str = "boot") -> Any:
+    """Boot the tiny checkpoint in ``folder`` in ``dtype``, with the tiny tokenizer itself.
 
     transformers 5 loads some model types' tokenizers as their own class whatever the folder
     says (Qwen2, Qwen3.5-MoE), which reads every prompt of the word-level tokenizer as one token.
+    ``conversion``: how the dtype is reached (:data:`safelens_tl.verify.bridge.CONVERSIONS`).
     """
-    return bridge.boot_folder(folder, torch.float32, tokenizer=models.load_tokenizer())
+    return bridge.boot_folder(
+        folder, dtype, conversion=conversion, tokenizer=models.load_tokenizer()
+    )
 
 
-def run(folder: str, active: bool) -> Outcome:
+def run(
+    folder: str, active: bool, dtype: torch.dtype = torch.float32, conversion: str = "boot"
+) -> Outcome:
     """Generate cached and uncached on every batch; stock when ``active`` is false."""
+    name = str(dtype).removeprefix("torch.")
     if active:
         safelens_tl.activate()
     else:
@@ -428,19 +474,25 @@ def run(folder: str, active: bool) -> Outcome:
     try:
         # Boot-time chatter (TransformerLens prints, transformers warns) would bury the table.
         with contextlib.redirect_stderr(io.StringIO()):
-            model = boot(folder)
-            reference = bridge.reference_from(folder, torch.float32)
+            model = boot(folder, dtype, conversion)
+            reference = bridge.reference_from(folder, dtype)
             runs = [
                 bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()
             ]
     except Exception as error:  # a row saying why, not a crash
-        return Outcome(error=_last_line(error))
+        return Outcome(error=_last_line(error), dtype=name)
     finally:
         safelens_tl.deactivate()
+    stored = {str(r.cache_dtype).removeprefix("torch.") for r in runs if r.cache_dtype is not None}
+    heads = [r.cache_heads for r in runs if r.cache_heads is not None]
     return Outcome(
         max_rel_err=max(r.max_rel_err for r in runs),
         tokens_equal=all(torch.equal(r.cached_tokens, r.uncached_tokens) for r in runs),
         hugging_face_rel_err=max(r.hugging_face_cached_rel_err or 0.0 for r in runs),
+        dtype=name,
+        cache_dtype=",".join(sorted(stored)) or None,
+        cache_heads=heads[0] if heads else None,
+        expected_heads=runs[0].expected_cache_heads,
     )
 
 
@@ -448,13 +500,13 @@ def verdict(patched: Outcome, stock: Outcome) -> str:
     """What safelens-tl changes for this architecture."""
     if patched.error is not None:
         return "cannot say (patched fails)"
-    assert patched.max_rel_err is not None
-    if patched.max_rel_err > WRONG or not patched.tokens_equal:
-        return (
-            "[red]wrong in both[/red]" if stock == patched else "[red]wrong with safelens-tl[/red]"
-        )
+    both = " in both" if stock == patched else ""
+    if patched.wrong():
+        return "[red]wrong in both[/red]" if both else "[red]wrong with safelens-tl[/red]"
+    if not patched.cache_right():
+        return f"[red]{patched.cache_problem()}{both}[/red]"
     if not patched.right():
-        return "off by more than rounding" + (" in both" if stock == patched else "")
+        return "off by more than rounding" + both
     if not stock.right():
         return "[green]fixed by safelens-tl[/green]"
     return "right in both"
@@ -468,15 +520,32 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(ALL_ARCHITECTURES),
         help="comma-separated, from: " + ", ".join(ALL_ARCHITECTURES),
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float16", "bfloat16"),
+        help="the bridge's and the reference's dtype (default float32)",
+    )
+    parser.add_argument(
+        "--conversion",
+        default="boot",
+        choices=bridge.CONVERSIONS,
+        help="boot in the dtype, or boot in float32 and call .half()/.bfloat16() or .to(dtype)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     arguments = parser.parse_args(argv)
+    dtype = getattr(torch, arguments.dtype)
     chosen = [name.strip() for name in arguments.architectures.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in ALL_ARCHITECTURES]
     if unknown:
         parser.error(
             f"--architectures: unknown {unknown}; expected some of {list(ALL_ARCHITECTURES)}"
         )
-    table = Table(title=f"cached TransformerBridge generate, float32, tolerance {WRONG}")
+    how = "" if arguments.conversion == "boot" else f" by {arguments.conversion}"
+    table = Table(
+        title=f"cached TransformerBridge generate, {arguments.dtype}{how}, "
+        f"right within {checks.TOLERANCES[dtype]:.0e}, wrong above {WRONG}"
+    )
     columns = ("architecture", "patched: cached vs uncached", "stock", "HF's own", "verdict")
     for column in columns:
         table.add_column(column)
@@ -492,13 +561,13 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(architecture, missing.text(), "", "", "cannot build")
             results[architecture] = {"build_error": missing.error}
             continue
-        patched, stock = run(folder, active=True), run(folder, active=False)
+        patched = run(folder, True, dtype, arguments.conversion)
+        stock = run(folder, False, dtype, arguments.conversion)
         own = patched.hugging_face_rel_err
         own_text = "" if own is None else f"{own:.1e}"
         table.add_row(architecture, patched.text(), stock.text(), own_text, verdict(patched, stock))
         results[architecture] = {"patched": asdict(patched), "stock": asdict(stock)}
     console.print(table)
-    console.print(f"tolerance of the verifier in float32: {checks.TOLERANCES[torch.float32]}")
     if arguments.json:
         with open(arguments.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)

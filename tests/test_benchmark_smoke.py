@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from safelens_tl.verify import checks
 from tests.conftest import (
@@ -239,6 +240,58 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
             "hugging_face_rel_err",
         }
         assert patched["hugging_face_rel_err"] <= 1e-4, (name, patched)
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_architectures_in_bfloat16_checks_the_cache_dtype(tmp_path: Path) -> None:
+    """``--dtype bfloat16``: Llama's cache holds bfloat16 keys and its cached logits are within
+    the verifier's bfloat16 tolerance; Mamba keeps no keys, and is held to twice Hugging Face's
+    own rounding."""
+    path = tmp_path / "architectures.json"
+    names = "LlamaForCausalLM,MambaForCausalLM"
+    done = run_script(
+        "bridge_architectures.py", "--architectures", names, "--dtype", "bfloat16",
+        "--json", str(path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bfloat16" in done.stdout
+    results = json.loads(path.read_text())
+    llama = results["LlamaForCausalLM"]["patched"]
+    assert llama["dtype"] == "bfloat16" and llama["cache_dtype"] == "bfloat16", llama
+    assert llama["max_rel_err"] <= checks.TOLERANCES[torch.bfloat16], llama
+    mamba = results["MambaForCausalLM"]
+    if "build_error" in mamba or mamba["patched"]["error"]:  # TL 3.0: no Mamba with 5.24
+        return
+    assert mamba["patched"]["cache_dtype"] is None, mamba
+    own = mamba["patched"]["hugging_face_rel_err"]
+    assert mamba["patched"]["max_rel_err"] <= max(2 * own, 8e-3), mamba
+
+
+def test_half_precision_tolerates_greedy_ties_but_not_a_cache_in_another_dtype() -> None:
+    """The architectures benchmark's verdicts: in bfloat16 other tokens within rounding are
+    right (a tie between two logits may go either way); in float32 they are not; a cache in
+    another dtype than the model's, or with other heads than the config's, is never right;
+    far-off logits are wrong."""
+    architectures = benchmark_module("bridge_architectures")
+    outcome = architectures.Outcome
+    tie = outcome(max_rel_err=5e-3, tokens_equal=False, hugging_face_rel_err=0.0, dtype="bfloat16")
+    assert tie.right() and not tie.wrong()
+    in_float32 = outcome(max_rel_err=5e-5, tokens_equal=False, hugging_face_rel_err=0.0)
+    assert not in_float32.right() and not in_float32.wrong()
+    widened = outcome(
+        max_rel_err=5e-3, tokens_equal=True, hugging_face_rel_err=0.0, dtype="bfloat16",
+        cache_dtype="float32",
+    )  # fmt: skip
+    assert not widened.right()
+    stock = outcome(max_rel_err=1.2, tokens_equal=False, hugging_face_rel_err=0.0, dtype="float16")
+    assert stock.wrong() and not stock.right()
+    assert "cache in float32" in architectures.verdict(widened, stock)
+    assert "fixed" in architectures.verdict(tie, stock)
+    assert "right in both" in architectures.verdict(tie, tie)
+    assert "wrong" in architectures.verdict(stock, stock)
+    ungrouped = outcome(max_rel_err=0.0, tokens_equal=True, cache_heads=4, expected_heads=2)
+    assert not ungrouped.right()
+    assert "4 cached heads, 2 expected" in architectures.verdict(ungrouped, stock)
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")

@@ -141,6 +141,25 @@ def test_a_vision_language_checkpoint_folder_verifies(
     assert [check.cache_heads for check in report.checks] == [2]
 
 
+@requires_folder_bridge
+@pytest.mark.parametrize(
+    ("architecture", "heads"), [("FalconForCausalLM", 1), ("DeepseekV4ForCausalLM", 1)]
+)
+def test_a_checkpoint_is_held_to_the_heads_hugging_face_itself_caches(
+    architecture: str, heads: int, patched: safelens_tl.activation.Status
+) -> None:
+    """Multi-query Falcon (Falcon-7B; Falcon's default config) and DeepSeek-V4 cache one key/value
+    head whatever their configs' head counts say (4 and 2 here), and the verifier failed their
+    correct caches ("the cache has 1 heads, 4 expected"). Expected heads now come from the cache
+    Hugging Face's own model fills. (TransformerLens 3.0's Falcon generates wrong anyway; the
+    heads are checked all the same.)"""
+    folder = str(architecture_folder(architecture))
+    report = runner.verify_pretrained(folder, (torch.float32,))
+    (check,) = report.checks
+    assert (check.cache_heads, check.expected_cache_heads) == (heads, heads), check
+    assert "heads" not in (check.error or ""), check.error
+
+
 def test_the_heads_of_a_composite_config_are_its_language_model_s() -> None:
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Gemma3Config"):

@@ -244,6 +244,8 @@ class BridgeRun:
     cache_dtype: torch.dtype | None
     cache_device: torch.device | None
     cache_heads: int | None
+    #: As many as Hugging Face's own cache holds (:func:`hugging_face_cache_heads`), or, where
+    #: it holds no keys, as the config says (:func:`expected_heads`).
     expected_cache_heads: int
     #: Some layers keep a recurrent state (:func:`holds_recurrent_state`).
     recurrent_state: bool = False
@@ -304,15 +306,43 @@ def holds_recurrent_state(cache: Any) -> bool:
 
 
 def expected_heads(config: Any) -> int:
-    """Key/value heads a correct cache of this Hugging Face config stores.
+    """Key/value heads a cache of this Hugging Face config stores, read from the config: what
+    :func:`run_batch` expects when Hugging Face's own model fills no cache to count them in.
 
     A vision-language checkpoint (Gemma 3 from 4B up, Llava, Qwen-VL) keeps its language model's
     sizes in ``text_config``; ``get_text_config()`` finds them there and is the config itself
-    otherwise.
+    otherwise. Some models store fewer heads than any config field says (multi-query Falcon, as
+    Falcon-7B: one; DeepSeek-V4: always one), which only :func:`hugging_face_cache_heads` sees.
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None)
     return int(heads if heads is not None else text.num_attention_heads)
+
+
+def _cache_of(output: Any) -> Any:
+    """The cache a Hugging Face model's output carries, under whichever name its release uses."""
+    for name in ("cache", "past_key_values", "cache_params"):
+        found = getattr(output, name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def hugging_face_cache_heads(
+    reference: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> int | None:
+    """Key/value heads of the first attention layer of the cache Hugging Face's own model (no
+    TransformerLens involved) fills over the prompt: how many a correct cache holds, whatever
+    the config calls them. ``None`` when no layer holds keys (state-space models)."""
+    with torch.inference_mode():
+        output = reference(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=_positions(prompt_mask),
+            use_cache=True,
+        )
+    keys = first_cache_layer(_cache_of(output))
+    return None if keys is None else int(keys.shape[1])
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -361,20 +391,14 @@ def run_batch(
             position_ids=positions[:, :-new_tokens],
             use_cache=True,
         )
-        cache = next(
-            (
-                found
-                for name in ("cache", "past_key_values", "cache_params")
-                if (found := getattr(prompt_output, name, None)) is not None
-            ),
-            None,
-        )
+    cache = _cache_of(prompt_output)
     keys = first_cache_layer(cache)
     recurrent = holds_recurrent_state(cache)
     prompt_ids, prompt_mask = sequences[:, :-new_tokens], mask[:, :-new_tokens]
     own_rounding = hugging_face_cached_error(
         reference, prompt_ids.to(device), prompt_mask.to(device), new_tokens
     )
+    own_heads = hugging_face_cache_heads(reference, prompt_ids.to(device), prompt_mask.to(device))
     uncached_tokens: torch.Tensor
     seconds_uncached: float | None = end - middle
     if isinstance(uncached, torch.Tensor):
@@ -398,7 +422,7 @@ def run_batch(
         cache_dtype=None if keys is None else keys.dtype,
         cache_device=None if keys is None else keys.device,
         cache_heads=None if keys is None else int(keys.shape[1]),
-        expected_cache_heads=expected_heads(reference.config),
+        expected_cache_heads=expected_heads(reference.config) if own_heads is None else own_heads,
         recurrent_state=recurrent,
         state_only=recurrent and keys is None,
         hugging_face_cached_rel_err=own_rounding,
