@@ -4,7 +4,8 @@
 patches are :class:`~safelens_tl.patching.DeferredPatches`: built and installed when that module
 is first imported, not at ``import transformer_lens``. Every patch is chosen by what the installed
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
-:mod:`safelens_tl.bridge_conversion` and :mod:`safelens_tl.bridge_state_mask`.
+:mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype` and
+:mod:`safelens_tl.bridge_state_mask`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safelens_tl import (
     bridge_cache,
     bridge_conversion,
     bridge_model_call,
+    bridge_rotary_dtype,
     bridge_state_mask,
     targets,
 )
@@ -32,7 +34,8 @@ _Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[DeferredPatches]:
-    """TransformerBridge's cache argument, ``cfg`` sync, state-space masks, when it exists."""
+    """TransformerBridge's cache argument, ``cfg`` sync, rotary dtype, state-space masks, when it
+    exists."""
     if not targets.has_bridge():
         return []
     return [DeferredPatches(targets.BRIDGE_MODULE, bridge_patches)]
@@ -48,6 +51,14 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     for name in ("to", "_apply"):
         method = getattr(bridge.bridge_class, name)
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
+    if bridge.rotary_attention_class is not None:
+        yield _own_method_patch(
+            bridge.rotary_attention_class,
+            "forward",
+            bridge_rotary_dtype.rotating_in_model_dtype,
+            "half precision",
+            "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
+        )
     renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
     yield from _state_space_mixer_patches(bridge, renamed)
     yield from _model_call_patch(bridge)

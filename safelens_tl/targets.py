@@ -75,6 +75,12 @@ BRIDGE_CLASS = "transformer_lens.model_bridge.TransformerBridge"
 ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.attention.AttentionBridge"
 )
+#: The rotary attention bridge that rotates queries and keys with Llama's function whatever the
+#: model (see :mod:`safelens_tl.bridge_rotary_dtype`).
+ROTARY_ATTENTION_BRIDGE_CLASS = (
+    "transformer_lens.model_bridge.generalized_components.position_embeddings_attention."
+    "PositionEmbeddingsAttentionBridge"
+)
 #: How TransformerBridge calls the Hugging Face model (TransformerLens 4.x; absent in 3.x, which
 #: calls the model itself).
 TRANSFORMERS_DRIVER_CLASS = (
@@ -161,6 +167,8 @@ class BridgeLayout:
     state_space_mixers: tuple[type, ...] = ()
     #: Bridges of :data:`EAGER_SCAN_MIXERS` in this release.
     eager_scan_mixers: tuple[type, ...] = ()
+    #: :data:`ROTARY_ATTENTION_BRIDGE_CLASS`, where this release has it.
+    rotary_attention_class: type | None = None
 
 
 def has_bridge() -> bool:
@@ -210,6 +218,7 @@ def locate_bridge() -> BridgeLayout:
             c for c in map(optional_class, STATE_SPACE_MIXERS) if c is not None
         ),
         eager_scan_mixers=tuple(c for c in map(optional_class, EAGER_SCAN_MIXERS) if c is not None),
+        rotary_attention_class=optional_class(ROTARY_ATTENTION_BRIDGE_CLASS),
     )
 
 
