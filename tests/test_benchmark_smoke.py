@@ -238,7 +238,13 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
             "tokens_equal",
             "error",
             "hugging_face_rel_err",
+            "dtype",
+            "cache_dtype",
+            "cache_heads",
+            "expected_heads",
         }
+        assert patched["dtype"] == patched["cache_dtype"] == "float32", (name, patched)
+        assert patched["cache_heads"] == patched["expected_heads"] == 2, (name, patched)
         assert patched["hugging_face_rel_err"] <= 1e-4, (name, patched)
 
 
