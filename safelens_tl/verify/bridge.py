@@ -345,6 +345,22 @@ def hugging_face_cache_heads(
     return None if keys is None else int(keys.shape[1])
 
 
+def _heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | None) -> int:
+    """The key/value heads a correct cache of the bridge holds: the config's count, or as many as
+    Hugging Face's own cache holds (``own_heads``), whichever the bridge's ``keys`` match, else
+    Hugging Face's.
+
+    Either is right: multi-query Falcon and DeepSeek-V4 cache one head whatever their configs
+    count, while multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite) caches one latent
+    in Hugging Face (one "head") and per-head keys, as the config counts them, in TransformerLens.
+    A cache that repeats grouped-query heads matches neither.
+    """
+    counted = expected_heads(config)
+    if own_heads is None or (keys is not None and int(keys.shape[1]) == counted):
+        return counted
+    return own_heads
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=1) - 1).clamp_min(0)
 
@@ -422,7 +438,7 @@ def run_batch(
         cache_dtype=None if keys is None else keys.dtype,
         cache_device=None if keys is None else keys.device,
         cache_heads=None if keys is None else int(keys.shape[1]),
-        expected_cache_heads=expected_heads(reference.config) if own_heads is None else own_heads,
+        expected_cache_heads=_heads_to_expect(reference.config, own_heads, keys),
         recurrent_state=recurrent,
         state_only=recurrent and keys is None,
         hugging_face_cached_rel_err=own_rounding,
