@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 import safelens_tl
-from safelens_tl.verify import bridge, checks, models
+from safelens_tl.verify import bridge, checks, diagnostics, models
 
 #: Settings every tiny checkpoint shares (an architecture's own settings override them).
 COMMON: dict[str, Any] = {
@@ -337,8 +337,8 @@ class Outcome:
     #: over a prompt (``None`` where no layer holds keys: state-space models).
     dtype: str = "float32"
     cache_dtype: str | None = None
-    #: Key/value heads of that layer's cache, and how many the config asks for (grouped-query
-    #: attention stores fewer than the query heads).
+    #: Key/value heads of that layer's cache, and how many a correct cache holds
+    #: (``BridgeRun.expected_cache_heads``: the config's count or Hugging Face's own).
     cache_heads: int | None = None
     expected_heads: int | None = None
 
@@ -353,7 +353,7 @@ class Outcome:
 
     def cache_right(self) -> bool:
         """The cache, if the model keeps keys at all, holds the model's dtype and as many heads
-        as the config asks for."""
+        as a correct cache holds."""
         heads_right = self.cache_heads is None or self.cache_heads == self.expected_heads
         return self.cache_dtype in (None, self.dtype) and heads_right
 
@@ -466,7 +466,7 @@ def run(
     folder: str, active: bool, dtype: torch.dtype = torch.float32, conversion: str = "boot"
 ) -> Outcome:
     """Generate cached and uncached on every batch; stock when ``active`` is false."""
-    name = str(dtype).removeprefix("torch.")
+    name = diagnostics.dtype_name(dtype)
     if active:
         safelens_tl.activate()
     else:
@@ -483,7 +483,7 @@ def run(
         return Outcome(error=_last_line(error), dtype=name)
     finally:
         safelens_tl.deactivate()
-    stored = {str(r.cache_dtype).removeprefix("torch.") for r in runs if r.cache_dtype is not None}
+    stored = {diagnostics.dtype_name(r.cache_dtype) for r in runs if r.cache_dtype is not None}
     heads = [r.cache_heads for r in runs if r.cache_heads is not None]
     return Outcome(
         max_rel_err=max(r.max_rel_err for r in runs),

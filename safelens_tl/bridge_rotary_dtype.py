@@ -14,7 +14,7 @@ The attention bridge's ``forward`` here receives ``cos``/``sin`` in the dtype of
 states when they arrive wider, as Llama's rotary module would hand them: one rounding of each
 to the model's dtype, then the rotation in it. Hugging Face's OLMo rotates in float32 and rounds
 once at the end, so the two differ by about a unit in the last place of the dtype (measured in
-``docs/reliability.md``); ``hook_cos``/``hook_sin`` see the values in the model's dtype. Bridges
+``docs/how-it-works.md``); ``hook_cos``/``hook_sin`` see the values in the model's dtype. Bridges
 configured for TransformerLens's adjacent-pair rotations (GLM, ERNIE, Cohere), which rotate in
 float32 and cast back themselves, are left as they are, as is everything in float32.
 """

@@ -244,8 +244,8 @@ class BridgeRun:
     cache_dtype: torch.dtype | None
     cache_device: torch.device | None
     cache_heads: int | None
-    #: As many as Hugging Face's own cache holds (:func:`hugging_face_cache_heads`), or, where
-    #: it holds no keys, as the config says (:func:`expected_heads`).
+    #: The config's count or as many as Hugging Face's own cache holds, whichever the bridge's
+    #: cache matches (:func:`_heads_to_expect`).
     expected_cache_heads: int
     #: Some layers keep a recurrent state (:func:`holds_recurrent_state`).
     recurrent_state: bool = False
@@ -306,8 +306,8 @@ def holds_recurrent_state(cache: Any) -> bool:
 
 
 def expected_heads(config: Any) -> int:
-    """Key/value heads a cache of this Hugging Face config stores, read from the config: what
-    :func:`run_batch` expects when Hugging Face's own model fills no cache to count them in.
+    """Key/value heads a cache of this Hugging Face config stores, as the config counts them
+    (:func:`_heads_to_expect` also accepts Hugging Face's own count).
 
     A vision-language checkpoint (Gemma 3 from 4B up, Llava, Qwen-VL) keeps its language model's
     sizes in ``text_config``; ``get_text_config()`` finds them there and is the config itself
