@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from safelens_tl import generate_reserve, kv_cache
+from safelens_tl import generate_reserve, hooked_alibi, hooked_moe_dtype, kv_cache, targets
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
 from safelens_tl.targets import Layout
@@ -26,9 +26,9 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
-    """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``, and
-    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length) where
-    the release has them.
+    """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
+    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length), and
+    the construction of ALiBi attention and mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [
@@ -53,4 +53,20 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         original = model.__dict__.get(name)
         if callable(original):
             patches.append(Patch(model, name, wrap(original)))
+    patches.extend(_layer_patches())
+    return patches
+
+
+def _layer_patches() -> list[Patch]:
+    """HookedTransformer layers that half precision breaks outside the cache: ALiBi attention
+    (bias sized to each forward) and mixture-of-experts (built in ``cfg.dtype``)."""
+    patches = []
+    for dotted, wrap in (
+        (targets.HOOKED_ATTENTION_CLASS, hooked_alibi.fitting_alibi),
+        (targets.HOOKED_MOE_CLASS, hooked_moe_dtype.in_model_dtype),
+    ):
+        owner = targets.optional_class(dotted)
+        original = None if owner is None else owner.__dict__.get("__init__")
+        if owner is not None and callable(original):
+            patches.append(Patch(owner, "__init__", wrap(original)))
     return patches

@@ -67,6 +67,13 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
 #: (``convert_llama_weights``, ``convert_gpt2_weights``, ...), TransformerLens 2.x and 3.x.
 WEIGHT_CONVERSIONS_MODULE = "transformer_lens.pretrained.weight_conversions"
 
+#: HookedTransformer's attention base (TransformerLens 2.x and 3.x): its ALiBi layers get their
+#: bias sized to each forward (:mod:`safelens_tl.hooked_alibi`).
+HOOKED_ATTENTION_CLASS = "transformer_lens.components.abstract_attention.AbstractAttention"
+#: HookedTransformer's mixture-of-experts layer (Mixtral, OLMoE), built in the model's dtype
+#: (:mod:`safelens_tl.hooked_moe_dtype`). Not every release has it.
+HOOKED_MOE_CLASS = "transformer_lens.components.mlps.moe.MoE"
+
 #: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
 #: lazily (about 2 s), so its patches wait for that import instead of forcing it.
 BRIDGE_MODULE = "transformer_lens.model_bridge"
