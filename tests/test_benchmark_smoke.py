@@ -273,6 +273,39 @@ def test_bridge_architectures_in_bfloat16_checks_the_cache_dtype(tmp_path: Path)
     assert mamba["patched"]["max_rel_err"] <= max(2 * own, 8e-3), mamba
 
 
+@requires_hooked_transformer
+def test_hooked_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
+    """The script's table and JSON: Bloom in bfloat16 is right with safelens-tl, Llama in float32
+    in both; on TransformerLens 4.x it says there is nothing to run."""
+    path = tmp_path / "hooked.json"
+    done = run_script(
+        "hooked_architectures.py", "--architectures", "BloomForCausalLM,LlamaForCausalLM",
+        "--dtypes", "float32,bfloat16", "--json", str(path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BloomForCausalLM" in done.stdout
+    results = json.loads(path.read_text())
+    for architecture in ("BloomForCausalLM", "LlamaForCausalLM"):
+        for dtype in ("float32", "bfloat16"):
+            patched = results[architecture][dtype]["patched"]
+            assert patched["passed"], (architecture, dtype, patched)
+            assert patched["cache_dtype"] == dtype
+    assert results["LlamaForCausalLM"]["float32"]["stock"]["passed"]
+
+
+@pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="TransformerLens 4.x only")
+def test_hooked_architectures_says_4x_has_nothing_to_run() -> None:
+    done = run_script("hooked_architectures.py", "--architectures", "LlamaForCausalLM")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "has no HookedTransformer" in done.stdout
+
+
+def test_hooked_architectures_refuses_an_unknown_architecture() -> None:
+    done = run_script("hooked_architectures.py", "--architectures", "NoSuchForCausalLM")
+    assert done.returncode == 2
+    assert "NoSuchForCausalLM" in done.stderr
+
+
 def test_half_precision_tolerates_greedy_ties_but_not_a_cache_in_another_dtype() -> None:
     """The architectures benchmark's verdicts: in bfloat16 other tokens within rounding are
     right (a tie between two logits may go either way); in float32 they are not; a cache in
