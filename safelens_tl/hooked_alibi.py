@@ -24,6 +24,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from safelens_tl import activation
+
 #: TransformerLens's name for the positional embedding this fixes.
 ALIBI = "alibi"
 #: ``forward``'s parameters, in order, up to the ones read here (TransformerLens 2.x and 3.x).
@@ -59,8 +61,6 @@ def fit_alibi(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Non
 
     Does nothing once safelens-tl is deactivated, so the layer behaves as stock again.
     """
-    from safelens_tl import activation
-
     bias = getattr(module, ALIBI, None)
     if bias is None or not activation.is_active():
         return
