@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -173,10 +171,6 @@ def load(folder: str, dtype: torch.dtype, architecture: str) -> Any:
     return model
 
 
-def _last_line(error: BaseException) -> str:
-    return traceback.format_exception_only(error)[-1].strip()[:100]
-
-
 def run(folder: str, architecture: str, active: bool, dtype: torch.dtype) -> Outcome:
     """Load and check the model with safelens-tl active or not (stock)."""
     if active:
@@ -189,7 +183,7 @@ def run(folder: str, architecture: str, active: bool, dtype: torch.dtype) -> Out
             try:
                 model = load(folder, dtype, architecture)
             except Exception as error:  # a row saying why
-                return Outcome(load_error=_last_line(error))
+                return Outcome(load_error=bridge_architectures._last_line(error))
             result = runner.check_hooked(model, architecture)
     finally:
         safelens_tl.deactivate()
@@ -244,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             folder = build(architecture)
         except Exception as error:  # the row says why
-            table.add_row(architecture, "", f"[red]cannot build: {_last_line(error)}[/red]")
-            results[architecture] = {"build_error": _last_line(error)}
+            why = bridge_architectures._last_line(error)
+            table.add_row(architecture, "", f"[red]cannot build: {why}[/red]")
+            results[architecture] = {"build_error": why}
+            bridge_architectures._write_json(arguments.json, results)
             continue
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -262,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 "patched": asdict(patched),
                 "stock": asdict(stock),
             }
-        if arguments.json:
-            with open(arguments.json, "w", encoding="utf-8") as handle:
-                json.dump(results, handle, indent=2)
+        bridge_architectures._write_json(arguments.json, results)
     console.print(table)
     return 0
 

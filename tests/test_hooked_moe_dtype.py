@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import safelens_tl
 from safelens_tl.verify import checks, models, runner
 from tests.conftest import benchmark_module, requires_hooked_transformer
 
@@ -74,8 +75,6 @@ def test_cached_generation_runs_and_matches_uncached(patched: Any, dtype: torch.
 
 def test_float32_builds_the_same_parameters_as_stock(patched: Any) -> None:
     patched_state = moe_model(torch.float32, seed=3).state_dict()
-    import safelens_tl
-
     safelens_tl.deactivate()
     stock_state = moe_model(torch.float32, seed=3).state_dict()
     assert patched_state.keys() == stock_state.keys()
