@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,13 +33,12 @@ from rich.table import Table
 
 import safelens_tl
 from safelens_tl import targets
-from safelens_tl.verify import bridge, diagnostics, models, runner
+from safelens_tl.verify import bridge, diagnostics, local_model, models, runner
 
 #: Settings a HookedTransformer conversion needs beyond ``bridge_architectures``'s tiny config:
-#: TransformerLens reads GPT-2's ``n_ctx`` (transformers 5 configs no longer carry it) and sizes
-#: GPT-Neo's MLP at four times the width, whatever the config says.
+#: TransformerLens sizes GPT-Neo's MLP at four times the width, whatever the config says (as
+#: published GPT-Neo checkpoints are).
 SETTINGS: dict[str, dict[str, Any]] = {
-    "GPT2LMHeadModel": {"n_ctx": 512},
     "GPTNeoForCausalLM": {"intermediate_size": None},
 }
 #: Architectures whose TransformerLens config is hard-coded per official name: that name's.
@@ -142,23 +140,20 @@ def _named_config(architecture: str, reference: Any, dtype: torch.dtype) -> Any:
 def load(folder: str, dtype: torch.dtype, architecture: str) -> Any:
     """The checkpoint as a ``HookedTransformer`` in ``dtype``, by TransformerLens's own loader.
 
-    ``from_pretrained`` itself accepts official names only, so its steps are taken here: the
-    config conversion (which reads a local folder), the weight conversion, the model, the state
-    dict loaded without folding or centering. The folder is reached through a neutral link name:
-    TransformerLens picks Llama's and Gemma's configs by the words in a model's name.
+    That is ``safelens-tl verify --model FOLDER``'s loader (``local_model.load_hooked``: the steps
+    of ``from_pretrained(..., dtype=...)``, no folding or centering), except for Gemma, whose
+    configurations TransformerLens has per official name only: the smallest official one, shrunk
+    to the checkpoint.
     """
+    if architecture not in NAMED_CONFIGS:
+        return local_model.load_hooked(folder, dtype, "cpu")
     from transformer_lens import HookedTransformer
     from transformer_lens import loading_from_pretrained as loading
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    if architecture in NAMED_CONFIGS:
-        name = NAMED_CONFIGS[architecture]
-        config = _named_config(architecture, reference, dtype)
-    else:
-        name = str(models.scratch_folder("link") / "checkpoint")
-        os.symlink(folder, name)
-        config = loading.get_pretrained_model_config(name, dtype=dtype, device="cpu")
+    name = NAMED_CONFIGS[architecture]
+    config = _named_config(architecture, reference, dtype)
     state = loading.get_pretrained_state_dict(name, config, reference, dtype=dtype)
     model = HookedTransformer(config, models.load_tokenizer(), move_to_device=False)
     model.load_and_process_state_dict(

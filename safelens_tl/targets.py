@@ -63,9 +63,9 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
     ),
 )
 
-#: TransformerLens's own converters of Hugging Face weights to ``HookedTransformer`` state dicts
-#: (``convert_llama_weights``, ``convert_gpt2_weights``, ...), TransformerLens 2.x and 3.x.
-WEIGHT_CONVERSIONS_MODULE = "transformer_lens.pretrained.weight_conversions"
+#: TransformerLens's own loader of Hugging Face checkpoints into ``HookedTransformer`` (config
+#: conversion, weight conversion), TransformerLens 2.x and 3.x.
+HOOKED_LOADING_MODULE = "transformer_lens.loading_from_pretrained"
 
 #: HookedTransformer's attention base (TransformerLens 2.x and 3.x): its ALiBi layers get their
 #: bias sized to each forward (:mod:`safelens_tl.hooked_alibi`).

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl.verify import checks, models, runner
+from safelens_tl.verify import checks, diagnostics, models, runner
 from tests.conftest import benchmark_module, requires_hooked_transformer
 
 pytestmark = requires_hooked_transformer
@@ -64,6 +64,16 @@ def test_stock_builds_float32_experts_and_its_forward_fails(dtype: torch.dtype) 
     assert model.blocks[0].mlp.experts[0].W_in.weight.dtype == torch.float32
     with pytest.raises(RuntimeError, match="dtype"):
         model(torch.tensor([[1, 5, 6]]))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_the_verifier_names_stock_s_float32_experts_not_the_half_trap(dtype: torch.dtype) -> None:
+    """Only the experts differ from ``cfg.dtype``: not the ``model.half()`` trap."""
+    problem = diagnostics.half_trap(moe_model(dtype))
+    assert problem is not None
+    assert "model.half() trap" not in problem
+    assert "blocks.0.mlp.experts.0" in problem and "float32" in problem
+    assert f"model.to(torch.{str(dtype).removeprefix('torch.')})" in problem
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)

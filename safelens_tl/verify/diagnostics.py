@@ -20,23 +20,37 @@ def weights_dtype(model: Any) -> torch.dtype | None:
 
 
 def half_trap(model: Any) -> str | None:
-    """Name the ``model.half()`` trap when the weights' dtype differs from ``cfg.dtype``.
+    """Name a model whose weights are not all in ``cfg.dtype``, and the fix.
 
-    ``model.half()`` / ``model.bfloat16()`` cast the weights but leave ``cfg.dtype`` alone, and
-    TransformerLens builds caches and casts activations from ``cfg.dtype``: the model then mixes
-    dtypes. ``model.to(torch.float16)`` updates both.
+    The usual cause is the ``model.half()`` trap: ``model.half()`` / ``model.bfloat16()`` cast the
+    weights but leave ``cfg.dtype`` alone, and TransformerLens builds caches and casts activations
+    from ``cfg.dtype``, so the model mixes dtypes. ``model.to(torch.float16)`` updates both. When
+    only some weights differ from a ``cfg.dtype`` the others have, the model was built that way
+    (TransformerLens's mixture-of-experts layers, without safelens-tl's fix), and those are named.
     """
     from safelens_tl.kv_cache import resolve_dtype
 
-    weights = weights_dtype(model)
     try:
         configured = resolve_dtype(getattr(model.cfg, "dtype", None))
     except ValueError as error:
         return str(error)
-    if weights is None or weights == configured:
+    floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+    if all(p.dtype == configured for _, p in floating):
         return None
+    if not any(p.dtype == configured for _, p in floating):
+        weights = weights_dtype(model) or configured
+        return (
+            f"the weights are {dtype_name(weights)} but model.cfg.dtype is "
+            f"{dtype_name(configured)} (the model.half() trap: .half()/.bfloat16() do not update "
+            f"cfg.dtype); convert with model.to(torch.{dtype_name(weights)}) instead"
+        )
+    stray = [name for name, p in floating if p.dtype != configured]
+    stray_dtypes = sorted({dtype_name(p.dtype) for _, p in floating if p.dtype != configured})
+    shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
     return (
-        f"the weights are {dtype_name(weights)} but model.cfg.dtype is "
-        f"{dtype_name(configured)} (the model.half() trap: .half()/.bfloat16() do not update "
-        f"cfg.dtype); convert with model.to(torch.{dtype_name(weights)}) instead"
+        f"{len(stray)} of the model's {len(floating)} weights are {'/'.join(stray_dtypes)} "
+        f"({shown}) while model.cfg.dtype and the others are {dtype_name(configured)}: the model "
+        f"was built with mixed dtypes (TransformerLens builds mixture-of-experts layers in "
+        f"float32 unless safelens-tl is active); convert with "
+        f"model.to(torch.{dtype_name(configured)})"
     )

@@ -1,22 +1,45 @@
 """``verify --model FOLDER``: a local Hugging Face checkpoint (config, weights, tokenizer), offline.
 
-On TransformerLens 2.x/3.x the checkpoint becomes a ``HookedTransformer`` through TransformerLens's
-own weight converters (``transformer_lens.pretrained.weight_conversions``). The configuration is
-mapped here from the checkpoint's ``config.json``: TransformerLens's own config conversion expects
-an official model name and trips on local folders (a folder whose name contains "llama" takes a
-branch that never reads the config; GPT-2 configs of transformers 5 have no ``n_ctx``).
+On TransformerLens 2.x/3.x the checkpoint becomes a ``HookedTransformer`` by TransformerLens's own
+loader, taking the steps ``HookedTransformer.from_pretrained(name, dtype=...)`` takes for a model
+on the Hub: its config conversion, its weight converters, no folding or centering. So every
+architecture that release converts can be checked, in the dtype it is loaded in.
+
+``from_pretrained`` itself accepts official model names only. Its config conversion does read a
+local folder's ``config.json``, but it first looks for words in the *path*: "llama" anywhere in
+it (a folder named ``my-llama-finetune``) takes a branch that builds a Llama configuration without
+reading the folder's config at all, and "gemma" picks a hard-coded one. So the conversion reads a
+copy of ``config.json`` in a temporary folder of a neutral name. Gemma's configurations exist in
+TransformerLens only per official name, so Gemma checkpoints are refused with the way to load them.
+
 On TransformerLens 4.x a folder boots through ``TransformerBridge.boot_transformers``
 (:mod:`safelens_tl.verify.bridge`), which supports far more architectures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+#: Words TransformerLens's config conversion looks for in a model's name (case-insensitive): with
+#: one of them in the path it picks a configuration by name and ignores the folder's config.
+NAME_TRIGGERS = ("llama", "gemma")
+#: Architectures whose TransformerLens configuration exists only per official model name.
+NAMED_ONLY_ARCHITECTURES = (
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
+#: How the class names of causal language models end (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -28,114 +51,107 @@ def is_checkpoint_folder(name: str) -> bool:
     return (Path(name) / "config.json").is_file()
 
 
-def _rope_theta(config: Any) -> float:
-    theta = getattr(config, "rope_theta", None)
-    parameters = getattr(config, "rope_parameters", None) or {}
-    if theta is None:
-        theta = parameters.get("rope_theta", 10000.0)
-    rope_type = parameters.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get(
-        "rope_type", "default"
-    )
-    if rope_type not in (None, "default"):
+def checkpoint_architecture(folder: str) -> str:
+    """The first entry of ``architectures`` in the folder's ``config.json`` (``"?"`` if none).
+
+    Raises :class:`UnsupportedCheckpointError` when ``config.json`` is not a JSON object.
+    """
+    config = _read_config(folder)
+    architectures = config.get("architectures") or ["?"]
+    return str(architectures[0])
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UnsupportedCheckpointError(f"{path} cannot be read as JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise UnsupportedCheckpointError(f"{path} holds {type(config).__name__}, not an object")
+    return config
+
+
+def _refuse_unconvertible(folder: str, architecture: str, release: str) -> None:
+    """Raise for what TransformerLens's loader would get wrong or could not generate with."""
+    if architecture in NAMED_ONLY_ARCHITECTURES:
         raise UnsupportedCheckpointError(
-            f"rope scaling {rope_type!r} is not supported for a local checkpoint on this "
-            "TransformerLens release; only the default rotary embedding is"
+            f"{folder}: TransformerLens {release} has Gemma configurations only per official "
+            f"model name, not from a folder's config.json; load it with "
+            f'HookedTransformer.from_pretrained("<official name, e.g. google/gemma-2-2b>", '
+            f"hf_model=<the folder loaded with AutoModelForCausalLM>, tokenizer=<its tokenizer>) "
+            f"and check that model with safelens_tl.verify.runner.verify_model(model)"
         )
-    return float(theta)
+    if not architecture.endswith(CAUSAL_LM_SUFFIXES):
+        raise UnsupportedCheckpointError(
+            f"{folder}: architecture {architecture} is not a causal language model (its name "
+            f"should end in {' or '.join(CAUSAL_LM_SUFFIXES)}, e.g. LlamaForCausalLM, "
+            f"GPT2LMHeadModel), so there is no generation to check"
+        )
 
 
-def _llama(config: Any) -> dict[str, Any]:
-    heads = int(config.num_attention_heads)
-    d_head = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return {
-        "d_model": int(config.hidden_size),
-        "d_head": d_head,
-        "n_heads": heads,
-        "n_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-        "d_mlp": int(config.intermediate_size),
-        "n_layers": int(config.num_hidden_layers),
-        "n_ctx": int(config.max_position_embeddings),
-        "eps": float(config.rms_norm_eps),
-        "d_vocab": int(config.vocab_size),
-        "act_fn": str(config.hidden_act),
-        "normalization_type": "RMS",
-        "positional_embedding_type": "rotary",
-        "rotary_dim": d_head,
-        "rotary_base": _rope_theta(config),
-        "rotary_adjacent_pairs": False,
-        "gated_mlp": True,
-        "final_rms": True,
-        "original_architecture": "LlamaForCausalLM",
-    }
-
-
-def _gpt2(config: Any) -> dict[str, Any]:
-    heads = int(config.n_head)
-    return {
-        "d_model": int(config.n_embd),
-        "d_head": int(config.n_embd) // heads,
-        "n_heads": heads,
-        "d_mlp": int(getattr(config, "n_inner", None) or 4 * config.n_embd),
-        "n_layers": int(config.n_layer),
-        "n_ctx": int(config.n_positions),
-        "eps": float(config.layer_norm_epsilon),
-        "d_vocab": int(config.vocab_size),
-        "act_fn": str(config.activation_function),
-        "normalization_type": "LN",
-        "positional_embedding_type": "standard",
-        "original_architecture": "GPT2LMHeadModel",
-    }
-
-
-#: Architecture -> (config mapping, name of TransformerLens's weight converter).
-ARCHITECTURES: dict[str, tuple[Callable[[Any], dict[str, Any]], str]] = {
-    "LlamaForCausalLM": (_llama, "convert_llama_weights"),
-    "GPT2LMHeadModel": (_gpt2, "convert_gpt2_weights"),
-}
+@contextlib.contextmanager
+def _config_under_neutral_name(folder: str) -> Iterator[str]:
+    """A temporary folder holding a copy of the checkpoint's ``config.json``, under a name in
+    which TransformerLens finds none of :data:`NAME_TRIGGERS`; removed afterwards."""
+    config = _read_config(folder)
+    # transformers 5 saves GPT-2 configs without n_ctx, which TransformerLens's conversion reads;
+    # it is the same number as n_positions (the context length).
+    if "n_positions" in config and "n_ctx" not in config:
+        config["n_ctx"] = config["n_positions"]
+    with tempfile.TemporaryDirectory(prefix="safelens-tl-config-") as workspace:
+        neutral = Path(workspace) / "checkpoint"
+        if any(word in str(neutral).lower() for word in NAME_TRIGGERS):
+            raise UnsupportedCheckpointError(
+                f"the temporary folder {workspace} has one of {NAME_TRIGGERS} in its path, which "
+                f"TransformerLens would read as a model name; set TMPDIR to a folder without it"
+            )
+        neutral.mkdir()
+        (neutral / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        yield str(neutral)
 
 
 def load_hooked(folder: str, dtype: torch.dtype, device: str) -> Any:
     """The checkpoint in ``folder`` as a ``HookedTransformer`` in ``dtype`` on ``device``.
 
-    Weights are used as they are (no LayerNorm folding, no centering), so the model computes what
-    the checkpoint computes. Raises :class:`UnsupportedCheckpointError` for other architectures.
+    Loaded as ``HookedTransformer.from_pretrained(..., dtype=dtype)`` loads a model from the Hub,
+    but with the weights used as they are (no LayerNorm folding, no centering), so the model
+    computes what the checkpoint computes. Raises :class:`UnsupportedCheckpointError` for an
+    architecture this release does not convert, or that is not a causal language model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from safelens_tl import targets
-    from safelens_tl.verify import models
 
-    auto_config: Any = AutoConfig
-    config = auto_config.from_pretrained(folder)
-    architecture = (getattr(config, "architectures", None) or ["?"])[0]
-    if architecture not in ARCHITECTURES:
-        supported = ", ".join(ARCHITECTURES)
-        raise UnsupportedCheckpointError(
-            f"{folder}: architecture {architecture} cannot be converted here; with this "
-            f"TransformerLens a local checkpoint may be {supported} (TransformerLens 4.x boots "
-            f"any architecture TransformerBridge supports)"
-        )
-    mapping, converter_name = ARCHITECTURES[architecture]
-    fields = mapping(config)
     layout = targets.locate()
+    architecture = checkpoint_architecture(folder)
+    _refuse_unconvertible(folder, architecture, layout.release)
     model_class = layout.model_class()
     if model_class is None:
         raise UnsupportedCheckpointError("this TransformerLens release has no HookedTransformer")
-    converters = importlib.import_module(targets.WEIGHT_CONVERSIONS_MODULE)
-    convert = getattr(converters, converter_name)
-    cfg = models.hooked_config_class()(**fields, dtype=torch.float32, device=device)
-    auto_model: Any = AutoModelForCausalLM
-    hf_model = auto_model.from_pretrained(folder, dtype=torch.float32)
+    loading = importlib.import_module(targets.HOOKED_LOADING_MODULE)
+    with _config_under_neutral_name(folder) as neutral_name:
+        try:
+            cfg = loading.get_pretrained_model_config(neutral_name, dtype=dtype, device=device)
+        except NotImplementedError as error:  # "<architecture> is not currently supported."
+            raise UnsupportedCheckpointError(
+                f"{folder}: TransformerLens {layout.release} does not convert {architecture} to "
+                f"a HookedTransformer ({error}); TransformerLens 4.x boots it through "
+                f"TransformerBridge if TransformerBridge supports it"
+            ) from error
+        auto_model: Any = AutoModelForCausalLM
+        hf_model = auto_model.from_pretrained(folder, dtype=dtype)
+        state_dict = loading.get_pretrained_state_dict(neutral_name, cfg, hf_model, dtype=dtype)
+    cfg.model_name = Path(folder).name
     auto_tokenizer: Any = AutoTokenizer
     tokenizer = auto_tokenizer.from_pretrained(folder)
-    model = model_class(cfg, tokenizer=tokenizer, default_padding_side="left")
+    model = model_class(cfg, tokenizer=tokenizer, move_to_device=False, default_padding_side="left")
     model.load_and_process_state_dict(
-        convert(hf_model, cfg),
+        state_dict,
         fold_ln=False,
         center_writing_weights=False,
         center_unembed=False,
         fold_value_biases=False,
         refactor_factored_attn_matrices=False,
     )
-    # model.to(dtype) updates cfg.dtype as well; .half() would not (the model.half() trap).
-    return model.to(dtype).to(device)
+    return model.to(device)

@@ -463,12 +463,11 @@ def verify_builtin(
 
 def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
     """``HookedTransformer.from_pretrained(name)``, or the local checkpoint folder ``name``
-    converted with TransformerLens's weight converters; :class:`ModelLoadError` on any failure."""
+    loaded by TransformerLens's own loader; :class:`ModelLoadError` on any failure."""
+    from safelens_tl import targets
     from safelens_tl.verify import local_model
 
     if not _has_hooked_transformer():
-        from safelens_tl import targets
-
         raise ModelLoadError(
             f"--model {name}: TransformerLens {targets.installed_release()} has no "
             f"HookedTransformer to load a model name into; give a local Hugging Face checkpoint "
@@ -482,7 +481,8 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
             raise ModelLoadError(str(error)) from error
         except Exception as error:
             raise ModelLoadError(
-                f"cannot load the checkpoint in {name} ({short_error(error)}); it needs "
+                f"cannot load the checkpoint in {name} with TransformerLens "
+                f"{targets.installed_release()}'s loader ({short_error(error)}); it needs "
                 f"config.json, the weights and the tokenizer files"
             ) from error
     from transformer_lens import HookedTransformer
