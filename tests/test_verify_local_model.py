@@ -63,6 +63,37 @@ def test_a_checkpoint_of_another_architecture_is_verified(patched: Any, architec
         assert check.max_rel_err is not None and check.max_rel_err <= check.tolerance
 
 
+def test_a_llama_checkpoint_with_rope_scaling_is_verified(patched: Any) -> None:
+    """Llama 3.1-style rope scaling was refused before; TransformerLens's loader takes it."""
+    import transformers
+
+    from safelens_tl.verify import bridge, models
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=models.vocab_size(),
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    folder = bridge.save_checkpoint(config, "llama-3-rope-scaling", models.load_tokenizer())
+    report = runner.verify_pretrained(str(folder), dtypes=(torch.bfloat16,), devices=["cpu"])
+    assert report.passed, [check.error for check in report.checks]
+    assert report.checks[0].cache_heads == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_the_model_is_loaded_in_the_dtype_asked_for(patched: Any, dtype: torch.dtype) -> None:
     """As ``from_pretrained(..., dtype=...)`` loads it: config and every weight in ``dtype``."""
