@@ -46,6 +46,15 @@ def test_verify_model_reports_stock_300_failure_as_a_failed_check() -> None:
 
 
 @requires_hooked_transformer
+def test_a_few_weights_in_float32_are_not_called_a_trap() -> None:
+    """Apertus's activation keeps two scalars per layer in float32 and computes right; the
+    diagnostic is for models whose weights are mostly in another dtype than ``cfg.dtype``."""
+    model = models.build_model("llama-like-gqa", torch.bfloat16)
+    model.blocks[0].ln1.w.data = model.blocks[0].ln1.w.data.float()
+    assert diagnostics.half_trap(model) is None
+
+
+@requires_hooked_transformer
 def test_half_trap_is_named_with_its_fix(patched: safelens_tl.activation.Status) -> None:
     model = models.build_model("gpt2-like", torch.float32).half()
     assert model.cfg.dtype == torch.float32  # what makes .half() a trap

@@ -20,25 +20,27 @@ def weights_dtype(model: Any) -> torch.dtype | None:
 
 
 def half_trap(model: Any) -> str | None:
-    """Name a model whose weights are not all in ``cfg.dtype``, and the fix.
+    """Name a model whose weights are mostly not in ``cfg.dtype``, and the fix.
 
     The usual cause is the ``model.half()`` trap: ``model.half()`` / ``model.bfloat16()`` cast the
     weights but leave ``cfg.dtype`` alone, and TransformerLens builds caches and casts activations
     from ``cfg.dtype``, so the model mixes dtypes. ``model.to(torch.float16)`` updates both. When
-    only some weights differ from a ``cfg.dtype`` the others have, the model was built that way
+    some weights are in ``cfg.dtype`` and most are not, the model was built that way
     (TransformerLens's mixture-of-experts layers, without safelens-tl's fix), and those are named.
+    A few weights in another dtype are left alone: Apertus's activation keeps its two scalars in
+    float32 and computes right.
     """
     from safelens_tl.kv_cache import resolve_dtype
 
+    weights = weights_dtype(model)
     try:
         configured = resolve_dtype(getattr(model.cfg, "dtype", None))
     except ValueError as error:
         return str(error)
-    floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
-    if all(p.dtype == configured for _, p in floating):
+    if weights is None or weights == configured:
         return None
+    floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
     if not any(p.dtype == configured for _, p in floating):
-        weights = weights_dtype(model) or configured
         return (
             f"the weights are {dtype_name(weights)} but model.cfg.dtype is "
             f"{dtype_name(configured)} (the model.half() trap: .half()/.bfloat16() do not update "
