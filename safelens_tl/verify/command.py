@@ -45,8 +45,9 @@ def register(subcommands: Any) -> None:
     parser.add_argument(
         "--model",
         metavar="NAME_OR_FOLDER",
-        help="check this model: a TransformerLens model name (HookedTransformer.from_pretrained), "
-        "or a local Hugging Face checkpoint folder (config.json, weights, tokenizer), offline",
+        help="check this model: a model name (HookedTransformer.from_pretrained on TransformerLens "
+        "2.x/3.x, TransformerBridge.boot_transformers on 4.x), or a local Hugging Face checkpoint "
+        "folder (config.json, weights, tokenizer), offline",
     )
     parser.add_argument(
         "--dtype",

@@ -470,8 +470,8 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
     if not _has_hooked_transformer():
         raise ModelLoadError(
             f"--model {name}: TransformerLens {targets.installed_release()} has no "
-            f"HookedTransformer to load a model name into; give a local Hugging Face checkpoint "
-            f"folder (config.json, weights, tokenizer), which boots through TransformerBridge"
+            f"HookedTransformer to load it into; verify_pretrained boots it through "
+            f"TransformerBridge instead"
         )
     if local_model.is_checkpoint_folder(name):
         try:
@@ -498,27 +498,48 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
         ) from error
 
 
+def _require_hub_model(name: str) -> None:
+    """Raise :class:`ModelLoadError` unless Hugging Face finds the config of model ``name``,
+    before any dtype or device is tried with it."""
+    from transformers import AutoConfig
+
+    auto_config: Any = AutoConfig
+    try:
+        with quietly():
+            auto_config.from_pretrained(name)
+    except Exception as error:
+        raise ModelLoadError(
+            f"cannot load model {name!r} from Hugging Face ({short_error(error)}); check the "
+            f"name, and when offline (HF_HUB_OFFLINE=1) download it once while online, or give a "
+            f"local checkpoint folder"
+        ) from error
+
+
 def verify_pretrained(
     name: str,
     dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
     devices: Sequence[str] | None = None,
     listener: Listener | None = None,
 ) -> Report:
-    """Load ``name`` once, then check it converted to each dtype on each device.
+    """Check the model ``name`` (a Hugging Face model name, or a local checkpoint folder) in
+    each dtype on each device.
 
-    Raises :class:`ModelLoadError` when the model cannot be loaded.
+    With a ``HookedTransformer`` (TransformerLens 2.x/3.x) it is loaded once and converted to
+    each dtype. Without one (4.x) it boots through TransformerBridge in each dtype, from the folder
+    or, for a name, from Hugging Face (its cache when offline). Raises :class:`ModelLoadError`
+    when the model cannot be loaded.
     """
     from safelens_tl import targets
     from safelens_tl.verify import local_model
 
     start = time.perf_counter()
     devices = list(devices) if devices is not None else default_devices()
-    if (
-        not _has_hooked_transformer()
-        and targets.has_bridge()
-        and local_model.is_checkpoint_folder(name)
-    ):
-        label = Path(name).name or name
+    if not _has_hooked_transformer() and targets.has_bridge():
+        if local_model.is_checkpoint_folder(name):
+            label = Path(name).name or name
+        else:
+            _require_hub_model(name)
+            label = name
         check = functools.partial(_bridge_check, label, folder=name)
         report = _new_report()
         report.checks = run_tasks(_per_dtype_and_device(label, check, dtypes, devices), listener)
