@@ -177,3 +177,11 @@ def test_an_unreadable_config_is_one_clear_error(tmp_path: Path) -> None:
     (folder / "config.json").write_text("{not json")
     with pytest.raises(runner.ModelLoadError, match="cannot be read as JSON"):
         runner.load_pretrained(str(folder), torch.float16, "cpu")
+
+
+def test_official_names_go_to_from_pretrained_and_other_names_to_the_checkpoint_loader() -> None:
+    """``gpt2`` is one of TransformerLens's official names (and ``from_pretrained`` loads it);
+    a fine-tune's name is not, and is loaded as a checkpoint instead."""
+    assert runner._is_official_name("gpt2")
+    assert runner._is_official_name("meta-llama/Llama-3.2-1B")
+    assert not runner._is_official_name("safelens-test/tiny-llama")

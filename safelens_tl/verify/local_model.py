@@ -51,18 +51,32 @@ def is_checkpoint_folder(name: str) -> bool:
     return (Path(name) / "config.json").is_file()
 
 
-def checkpoint_architecture(folder: str) -> str:
-    """The first entry of ``architectures`` in the folder's ``config.json`` (``"?"`` if none).
+def config_path(source: str) -> Path:
+    """The ``config.json`` of ``source``: a checkpoint folder, or a Hugging Face Hub model name
+    (downloaded once, then read from Hugging Face's cache; from the cache only when offline)."""
+    if is_checkpoint_folder(source):
+        return Path(source) / "config.json"
+    from transformers.utils import cached_file
+
+    path = cached_file(source, "config.json")
+    if path is None:  # only when told not to raise; kept for the type
+        raise UnsupportedCheckpointError(f"{source} has no config.json on the Hugging Face Hub")
+    return Path(path)
+
+
+def checkpoint_architecture(source: str) -> str:
+    """The first entry of ``architectures`` in the ``config.json`` of ``source`` (a checkpoint
+    folder or a Hub model name; ``"?"`` if none).
 
     Raises :class:`UnsupportedCheckpointError` when ``config.json`` is not a JSON object.
     """
-    config = _read_config(folder)
+    config = _read_config(source)
     architectures = config.get("architectures") or ["?"]
     return str(architectures[0])
 
 
-def _read_config(folder: str) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
+def _read_config(source: str) -> dict[str, Any]:
+    path = config_path(source)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -91,10 +105,10 @@ def _refuse_unconvertible(folder: str, architecture: str, release: str) -> None:
 
 
 @contextlib.contextmanager
-def _config_under_neutral_name(folder: str) -> Iterator[str]:
+def _config_under_neutral_name(source: str) -> Iterator[str]:
     """A temporary folder holding a copy of the checkpoint's ``config.json``, under a name in
     which TransformerLens finds none of :data:`NAME_TRIGGERS`; removed afterwards."""
-    config = _read_config(folder)
+    config = _read_config(source)
     # transformers 5 saves GPT-2 configs without n_ctx, which TransformerLens's conversion reads;
     # it is the same number as n_positions (the context length).
     if "n_positions" in config and "n_ctx" not in config:
@@ -112,12 +126,15 @@ def _config_under_neutral_name(folder: str) -> Iterator[str]:
 
 
 def load_hooked(folder: str, dtype: torch.dtype, device: str) -> Any:
-    """The checkpoint in ``folder`` as a ``HookedTransformer`` in ``dtype`` on ``device``.
+    """The checkpoint ``folder`` as a ``HookedTransformer`` in ``dtype`` on ``device``.
 
-    Loaded as ``HookedTransformer.from_pretrained(..., dtype=dtype)`` loads a model from the Hub,
-    but with the weights used as they are (no LayerNorm folding, no centering), so the model
-    computes what the checkpoint computes. Raises :class:`UnsupportedCheckpointError` for an
-    architecture this release does not convert, or that is not a causal language model.
+    ``folder`` is a local checkpoint folder or the name of a model on the Hugging Face Hub that
+    is not one of TransformerLens's official names (a fine-tune: ``from_pretrained`` refuses
+    those), read through Hugging Face's cache. Loaded as ``HookedTransformer.from_pretrained(...,
+    dtype=dtype)`` loads an official model, but with the weights used as they are (no LayerNorm
+    folding, no centering), so the model computes what the checkpoint computes. Raises
+    :class:`UnsupportedCheckpointError` for an architecture this release does not convert, or
+    that is not a causal language model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +159,7 @@ def load_hooked(folder: str, dtype: torch.dtype, device: str) -> Any:
         auto_model: Any = AutoModelForCausalLM
         hf_model = auto_model.from_pretrained(folder, dtype=dtype)
         state_dict = loading.get_pretrained_state_dict(neutral_name, cfg, hf_model, dtype=dtype)
-    cfg.model_name = Path(folder).name
+    cfg.model_name = Path(folder).name if is_checkpoint_folder(folder) else folder.split("/")[-1]
     auto_tokenizer: Any = AutoTokenizer
     tokenizer = auto_tokenizer.from_pretrained(folder)
     model = model_class(cfg, tokenizer=tokenizer, move_to_device=False, default_padding_side="left")

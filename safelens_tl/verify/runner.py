@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import logging
 import math
@@ -485,6 +486,21 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
                 f"{targets.installed_release()}'s loader ({short_error(error)}); it needs "
                 f"config.json, the weights and the tokenizer files"
             ) from error
+    if not _is_official_name(name):
+        # A fine-tune or any other Hub repository: from_pretrained takes official names only, so
+        # it is loaded as a checkpoint, by TransformerLens's own loader, like a local folder.
+        try:
+            with quietly():
+                return local_model.load_hooked(name, dtype, device)
+        except local_model.UnsupportedCheckpointError as error:
+            raise ModelLoadError(str(error)) from error
+        except Exception as error:
+            raise ModelLoadError(
+                f"cannot load model {name!r}: it is not one of TransformerLens "
+                f"{targets.installed_release()}'s official model names, and not a checkpoint on "
+                f"the Hugging Face Hub either ({short_error(error)}); check the name, and when "
+                f"offline (HF_HUB_OFFLINE=1) download it once while online"
+            ) from error
     from transformer_lens import HookedTransformer
 
     try:
@@ -496,6 +512,18 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
             f"({short_error(error)}); check the name, and when offline (HF_HUB_OFFLINE=1) "
             f"download it once while online"
         ) from error
+
+
+def _is_official_name(name: str) -> bool:
+    """Whether TransformerLens (2.x/3.x) knows ``name`` as an official model name or alias."""
+    from safelens_tl import targets
+
+    loading = importlib.import_module(targets.HOOKED_LOADING_MODULE)
+    try:
+        loading.get_official_model_name(name)
+    except ValueError:  # "<name> not found. Valid official model names ..."
+        return False
+    return True
 
 
 def _require_hub_model(name: str) -> None:
