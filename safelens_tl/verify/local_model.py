@@ -1,4 +1,6 @@
-"""``verify --model FOLDER``: a local Hugging Face checkpoint (config, weights, tokenizer), offline.
+"""``verify --model FOLDER``: a local Hugging Face checkpoint (config, weights, tokenizer), offline;
+and ``verify --model NAME`` for a Hub model that is not one of TransformerLens's official names
+(a fine-tune), read through Hugging Face's cache.
 
 On TransformerLens 2.x/3.x the checkpoint becomes a ``HookedTransformer`` by TransformerLens's own
 loader, taking the steps ``HookedTransformer.from_pretrained(name, dtype=...)`` takes for a model
@@ -12,7 +14,7 @@ reading the folder's config at all, and "gemma" picks a hard-coded one. So the c
 copy of ``config.json`` in a temporary folder of a neutral name. Gemma's configurations exist in
 TransformerLens only per official name, so Gemma checkpoints are refused with the way to load them.
 
-On TransformerLens 4.x a folder boots through ``TransformerBridge.boot_transformers``
+On TransformerLens 4.x a folder or a name boots through ``TransformerBridge.boot_transformers``
 (:mod:`safelens_tl.verify.bridge`), which supports far more architectures.
 """
 
