@@ -474,33 +474,27 @@ def load_pretrained(name: str, dtype: torch.dtype, device: str) -> Any:
             f"HookedTransformer to load it into; verify_pretrained boots it through "
             f"TransformerBridge instead"
         )
-    if local_model.is_checkpoint_folder(name):
+    folder = local_model.is_checkpoint_folder(name)
+    if folder or not _is_official_name(name):
+        # A folder, or a fine-tune or any other Hub repository (from_pretrained takes official
+        # names only): loaded as a checkpoint, by TransformerLens's own loader.
         try:
             with quietly():
                 return local_model.load_hooked(name, dtype, device)
         except local_model.UnsupportedCheckpointError as error:
             raise ModelLoadError(str(error)) from error
         except Exception as error:
-            raise ModelLoadError(
-                f"cannot load the checkpoint in {name} with TransformerLens "
-                f"{targets.installed_release()}'s loader ({short_error(error)}); it needs "
-                f"config.json, the weights and the tokenizer files"
-            ) from error
-    if not _is_official_name(name):
-        # A fine-tune or any other Hub repository: from_pretrained takes official names only, so
-        # it is loaded as a checkpoint, by TransformerLens's own loader, like a local folder.
-        try:
-            with quietly():
-                return local_model.load_hooked(name, dtype, device)
-        except local_model.UnsupportedCheckpointError as error:
-            raise ModelLoadError(str(error)) from error
-        except Exception as error:
-            raise ModelLoadError(
-                f"cannot load model {name!r}: it is not one of TransformerLens "
-                f"{targets.installed_release()}'s official model names, and not a checkpoint on "
-                f"the Hugging Face Hub either ({short_error(error)}); check the name, and when "
-                f"offline (HF_HUB_OFFLINE=1) download it once while online"
-            ) from error
+            release = targets.installed_release()
+            why = (
+                f"cannot load the checkpoint in {name} with TransformerLens {release}'s loader "
+                f"({short_error(error)}); it needs config.json, the weights and the tokenizer files"
+                if folder
+                else f"cannot load model {name!r}: it is not one of TransformerLens {release}'s "
+                f"official model names, and not a checkpoint on the Hugging Face Hub either "
+                f"({short_error(error)}); check the name, and when offline (HF_HUB_OFFLINE=1) "
+                f"download it once while online"
+            )
+            raise ModelLoadError(why) from error
     from transformer_lens import HookedTransformer
 
     try:
