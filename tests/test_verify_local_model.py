@@ -125,7 +125,7 @@ def test_a_folder_named_like_llama_reads_its_own_config(tmp_path: Path) -> None:
     it reads has none, and holds the folder's config."""
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64}
     folder = config_folder(tmp_path, "my-llama-gemma-finetune", config)
-    with local_model._config_under_neutral_name(str(folder)) as neutral:
+    with local_model._config_under_neutral_name(local_model.read_config(str(folder))) as neutral:
         assert not any(word in neutral.lower() for word in local_model.NAME_TRIGGERS)
         assert json.loads((Path(neutral) / "config.json").read_text()) == config
     assert not Path(neutral).exists()
@@ -135,7 +135,7 @@ def test_a_gpt2_config_without_n_ctx_gets_its_context_length(tmp_path: Path) -> 
     """transformers 5 saves GPT-2 configs without ``n_ctx``, which TransformerLens reads."""
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": 77}
     folder = config_folder(tmp_path, "gpt2", config)
-    with local_model._config_under_neutral_name(str(folder)) as neutral:
+    with local_model._config_under_neutral_name(local_model.read_config(str(folder))) as neutral:
         copied = json.loads((Path(neutral) / "config.json").read_text())
     assert copied["n_ctx"] == 77
     assert "n_ctx" not in json.loads((folder / "config.json").read_text())

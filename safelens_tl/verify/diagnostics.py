@@ -46,9 +46,10 @@ def half_trap(model: Any) -> str | None:
             f"{dtype_name(configured)} (the model.half() trap: .half()/.bfloat16() do not update "
             f"cfg.dtype); convert with model.to(torch.{dtype_name(weights)}) instead"
         )
-    stray = [name for name, p in floating if p.dtype != configured]
-    stray_dtypes = sorted({dtype_name(p.dtype) for _, p in floating if p.dtype != configured})
-    shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
+    stray = [(name, p.dtype) for name, p in floating if p.dtype != configured]
+    stray_dtypes = sorted({dtype_name(dtype) for _, dtype in stray})
+    shown = ", ".join(name for name, _ in stray[:3])
+    shown += f" and {len(stray) - 3} more" if len(stray) > 3 else ""
     return (
         f"{len(stray)} of the model's {len(floating)} weights are {'/'.join(stray_dtypes)} "
         f"({shown}) while model.cfg.dtype and the others are {dtype_name(configured)}: the model "

@@ -66,18 +66,11 @@ def config_path(source: str) -> Path:
     return Path(path)
 
 
-def checkpoint_architecture(source: str) -> str:
-    """The first entry of ``architectures`` in the ``config.json`` of ``source`` (a checkpoint
-    folder or a Hub model name; ``"?"`` if none).
+def read_config(source: str) -> dict[str, Any]:
+    """The ``config.json`` of ``source`` (a checkpoint folder or a Hub model name) as a dict.
 
-    Raises :class:`UnsupportedCheckpointError` when ``config.json`` is not a JSON object.
+    Raises :class:`UnsupportedCheckpointError` when it is not a JSON object.
     """
-    config = _read_config(source)
-    architectures = config.get("architectures") or ["?"]
-    return str(architectures[0])
-
-
-def _read_config(source: str) -> dict[str, Any]:
     path = config_path(source)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -88,11 +81,11 @@ def _read_config(source: str) -> dict[str, Any]:
     return config
 
 
-def _refuse_unconvertible(folder: str, architecture: str, release: str) -> None:
+def _refuse_unconvertible(source: str, architecture: str, release: str) -> None:
     """Raise for what TransformerLens's loader would get wrong or could not generate with."""
     if architecture in NAMED_ONLY_ARCHITECTURES:
         raise UnsupportedCheckpointError(
-            f"{folder}: TransformerLens {release} has Gemma configurations only per official "
+            f"{source}: TransformerLens {release} has Gemma configurations only per official "
             f"model name, not from a folder's config.json; load it with "
             f'HookedTransformer.from_pretrained("<official name, e.g. google/gemma-2-2b>", '
             f"hf_model=<the folder loaded with AutoModelForCausalLM>, tokenizer=<its tokenizer>) "
@@ -100,17 +93,17 @@ def _refuse_unconvertible(folder: str, architecture: str, release: str) -> None:
         )
     if not architecture.endswith(CAUSAL_LM_SUFFIXES):
         raise UnsupportedCheckpointError(
-            f"{folder}: architecture {architecture} is not a causal language model (its name "
+            f"{source}: architecture {architecture} is not a causal language model (its name "
             f"should end in {' or '.join(CAUSAL_LM_SUFFIXES)}, e.g. LlamaForCausalLM, "
             f"GPT2LMHeadModel), so there is no generation to check"
         )
 
 
 @contextlib.contextmanager
-def _config_under_neutral_name(source: str) -> Iterator[str]:
-    """A temporary folder holding a copy of the checkpoint's ``config.json``, under a name in
+def _config_under_neutral_name(config: dict[str, Any]) -> Iterator[str]:
+    """A temporary folder holding ``config`` (a checkpoint's ``config.json``), under a name in
     which TransformerLens finds none of :data:`NAME_TRIGGERS`; removed afterwards."""
-    config = _read_config(source)
+    config = dict(config)
     # transformers 5 saves GPT-2 configs without n_ctx, which TransformerLens's conversion reads;
     # it is the same number as n_positions (the context length).
     if "n_positions" in config and "n_ctx" not in config:
@@ -127,10 +120,10 @@ def _config_under_neutral_name(source: str) -> Iterator[str]:
         yield str(neutral)
 
 
-def load_hooked(folder: str, dtype: torch.dtype, device: str) -> Any:
-    """The checkpoint ``folder`` as a ``HookedTransformer`` in ``dtype`` on ``device``.
+def load_hooked(source: str, dtype: torch.dtype, device: str) -> Any:
+    """The checkpoint ``source`` as a ``HookedTransformer`` in ``dtype`` on ``device``.
 
-    ``folder`` is a local checkpoint folder or the name of a model on the Hugging Face Hub that
+    ``source`` is a local checkpoint folder or the name of a model on the Hugging Face Hub that
     is not one of TransformerLens's official names (a fine-tune: ``from_pretrained`` refuses
     those), read through Hugging Face's cache. Loaded as ``HookedTransformer.from_pretrained(...,
     dtype=dtype)`` loads an official model, but with the weights used as they are (no LayerNorm
@@ -143,27 +136,28 @@ def load_hooked(folder: str, dtype: torch.dtype, device: str) -> Any:
     from safelens_tl import targets
 
     layout = targets.locate()
-    architecture = checkpoint_architecture(folder)
-    _refuse_unconvertible(folder, architecture, layout.release)
+    config = read_config(source)
+    architecture = str((config.get("architectures") or ["?"])[0])
+    _refuse_unconvertible(source, architecture, layout.release)
     model_class = layout.model_class()
     if model_class is None:
         raise UnsupportedCheckpointError("this TransformerLens release has no HookedTransformer")
     loading = importlib.import_module(targets.HOOKED_LOADING_MODULE)
-    with _config_under_neutral_name(folder) as neutral_name:
+    with _config_under_neutral_name(config) as neutral_name:
         try:
             cfg = loading.get_pretrained_model_config(neutral_name, dtype=dtype, device=device)
         except NotImplementedError as error:  # "<architecture> is not currently supported."
             raise UnsupportedCheckpointError(
-                f"{folder}: TransformerLens {layout.release} does not convert {architecture} to "
+                f"{source}: TransformerLens {layout.release} does not convert {architecture} to "
                 f"a HookedTransformer ({error}); TransformerLens 4.x boots it through "
                 f"TransformerBridge if TransformerBridge supports it"
             ) from error
         auto_model: Any = AutoModelForCausalLM
-        hf_model = auto_model.from_pretrained(folder, dtype=dtype)
+        hf_model = auto_model.from_pretrained(source, dtype=dtype)
         state_dict = loading.get_pretrained_state_dict(neutral_name, cfg, hf_model, dtype=dtype)
-    cfg.model_name = Path(folder).name if is_checkpoint_folder(folder) else folder.split("/")[-1]
+    cfg.model_name = Path(source).name if is_checkpoint_folder(source) else source.split("/")[-1]
     auto_tokenizer: Any = AutoTokenizer
-    tokenizer = auto_tokenizer.from_pretrained(folder)
+    tokenizer = auto_tokenizer.from_pretrained(source)
     model = model_class(cfg, tokenizer=tokenizer, move_to_device=False, default_padding_side="left")
     model.load_and_process_state_dict(
         state_dict,
