@@ -10,6 +10,7 @@ breaking these paths.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,3 +121,76 @@ def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any)
             assert token == int(choices[row, step]), (row, step, ended, choices)
             if token == eos:
                 break
+
+
+
+#: Ways of calling ``generate`` beyond greedy decoding, each compared cached against uncached.
+#: TransformerLens returns the activations of one prompt only.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "temperature and top-k": {"do_sample": True, "temperature": 0.9, "top_k": 20},
+    "top-p": {"do_sample": True, "top_p": 0.8},
+    "frequency penalty": {"do_sample": True, "freq_penalty": 1.0},
+    "repetition penalty": {"repetition_penalty": 1.3},
+    "strings returned": {"return_type": "str"},
+    "logits returned": {"output_logits": True},
+    "activations returned": {"return_cache": True, "input": PROMPTS[:1]},
+}
+_attention_models: list[Any] = []
+
+
+@pytest.fixture
+def attention_model(patched: safelens_tl.activation.Status) -> Any:
+    """The patched TransformerBridge of the tiny Llama (a KV cache), booted once per module.
+
+    Not Mamba: a state-space bridge's uncached ``generate`` hands over to Hugging Face's own
+    loop, which samples and returns differently, so there is nothing like-for-like to compare.
+    """
+    if not _attention_models:
+        folder = str(architecture_folder("LlamaForCausalLM"))
+        _attention_models.append(benchmark_module("bridge_architectures").boot(folder))
+    return _attention_models[0]
+
+
+def _generate_seeded(model: Any, cached: bool, option: dict[str, Any]) -> Any:
+    arguments = {"input": PROMPTS, **_greedy(use_past_kv_cache=cached), **option}
+    torch.manual_seed(0)
+    return model.generate(**arguments)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_every_generate_option_gives_what_the_uncached_generate_gives(
+    attention_model: Any, option: str
+) -> None:
+    """Sampling under a seed, penalties, and what ``generate`` can return besides tokens (text,
+    the logits of every step, the activations of the whole generation): with the cache, the same
+    as ``use_past_kv_cache=False``, which runs the whole sequence again at every step. (Stock
+    fails this with transformers 5.24: its cache is ignored.)"""
+    parameters = inspect.signature(attention_model.generate).parameters
+    missing = set(OPTIONS[option]) - set(parameters)
+    if missing:
+        pytest.skip(f"this TransformerBridge.generate has no {sorted(missing)}")
+    uncached = _generate_seeded(attention_model, False, OPTIONS[option])
+    cached = _generate_seeded(attention_model, True, OPTIONS[option])
+    tolerance = checks.TOLERANCES[torch.float32]
+    if option == "logits returned":
+        assert torch.equal(cached.sequences, uncached.sequences)
+        logits = torch.stack(list(cached.logits), dim=1)
+        assert _relative_error(logits, torch.stack(list(uncached.logits), dim=1)) <= tolerance
+    elif option == "activations returned":
+        tokens, activations = cached
+        expected_tokens, expected_activations = uncached
+        assert torch.equal(tokens, expected_tokens)
+        names = sorted(expected_activations.keys())
+        assert sorted(activations.keys()) == names
+        for name in names:
+            got, want = activations[name], expected_activations[name]
+            assert got.shape == want.shape, name
+            assert _relative_error(got.float(), want.float()) <= tolerance, name
+    elif option == "strings returned":
+        assert isinstance(cached, list) and cached == uncached
+    else:
+        assert torch.equal(cached, uncached)
