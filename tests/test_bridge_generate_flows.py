@@ -123,7 +123,6 @@ def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any)
                 break
 
 
-
 #: Ways of calling ``generate`` beyond greedy decoding, each compared cached against uncached.
 #: TransformerLens returns the activations of one prompt only.
 OPTIONS: dict[str, dict[str, Any]] = {
