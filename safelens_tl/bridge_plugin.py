@@ -16,6 +16,7 @@ from typing import Any
 
 from safelens_tl import (
     bridge_cache,
+    bridge_cache_writes,
     bridge_conversion,
     bridge_model_call,
     bridge_rotary_dtype,
@@ -59,6 +60,7 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             "half precision",
             "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
         )
+    yield from _cache_writing_patches(bridge)
     renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
     yield from _state_space_mixer_patches(bridge, renamed)
     yield from _model_call_patch(bridge)
@@ -102,6 +104,34 @@ def _own_method_patch(
         return Patch(owner, name, wrap(method))
     return Failure(
         SOURCE, area, f"{owner.__module__}.{owner.__qualname__} defines no {name}; {consequence}"
+    )
+
+
+def _cache_writing_patches(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
+    """Attention bridges whose own reconstruction never writes the KV cache (TransformerLens
+    3.9's ALiBi bridges): it is written at their head split, as 4.x does."""
+    skipping = [
+        owner
+        for owner in bridge.reconstructing_attention_classes
+        if bridge_cache_writes.skips_the_cache(owner.__dict__.get("_reconstruct_attention"))
+    ]
+    if not skipping:
+        return
+    consequence = "its cached generation attends to the current position alone"
+    for owner in skipping:
+        yield _own_method_patch(
+            owner,
+            "_reconstruct_attention",
+            bridge_cache_writes.writing_the_cache,
+            "KV cache",
+            consequence,
+        )
+    yield _own_method_patch(
+        bridge.attention_class,
+        "_reshape_qkv_to_heads",
+        bridge_cache_writes.splitting_into_the_cache,
+        "KV cache",
+        f"{', '.join(owner.__qualname__ for owner in skipping)}: {consequence}",
     )
 
 

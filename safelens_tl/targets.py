@@ -100,6 +100,15 @@ FORWARD_CACHE_READERS: tuple[str, ...] = (
     "transformer_lens.model_bridge.generalized_components.glm_moe_dsa_attention."
     "GlmMoeDsaAttentionBridge",
 )
+#: Attention bridges that reconstruct attention themselves (``_reconstruct_attention``) and may
+#: never write the KV cache there: TransformerLens 3.9's ALiBi bridges (Falcon with ALiBi, such as
+#: Falcon-RW, and MPT); 4.x calls ``_update_kv_cache`` in both. Not every release has each.
+RECONSTRUCTING_ATTENTION_BRIDGES: tuple[str, ...] = (
+    "transformer_lens.model_bridge.generalized_components.alibi_joint_qkv_attention."
+    "ALiBiJointQKVAttentionBridge",
+    "transformer_lens.model_bridge.generalized_components.mpt_alibi_attention."
+    "MPTALiBiAttentionBridge",
+)
 #: Bridges that choose their cached (generation) path by whether ``cache_params`` arrives, the
 #: name transformers gave the linear-attention state cache before 5.24 (which passes ``cache``),
 #: each with the method that path runs. Not every release has each.
@@ -176,6 +185,8 @@ class BridgeLayout:
     eager_scan_mixers: tuple[type, ...] = ()
     #: :data:`ROTARY_ATTENTION_BRIDGE_CLASS`, where this release has it.
     rotary_attention_class: type | None = None
+    #: Bridges of :data:`RECONSTRUCTING_ATTENTION_BRIDGES` in this release.
+    reconstructing_attention_classes: tuple[type, ...] = ()
 
 
 def has_bridge() -> bool:
@@ -226,6 +237,9 @@ def locate_bridge() -> BridgeLayout:
         ),
         eager_scan_mixers=tuple(c for c in map(optional_class, EAGER_SCAN_MIXERS) if c is not None),
         rotary_attention_class=optional_class(ROTARY_ATTENTION_BRIDGE_CLASS),
+        reconstructing_attention_classes=tuple(
+            c for c in map(optional_class, RECONSTRUCTING_ATTENTION_BRIDGES) if c is not None
+        ),
     )
 
 
