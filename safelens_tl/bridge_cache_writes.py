@@ -1,11 +1,12 @@
 """Attention bridges that compute attention without ever writing the KV cache.
 
-TransformerLens 3.9's ALiBi attention bridges (Falcon with ALiBi, such as Falcon-RW, and MPT)
+TransformerLens 3.x's ALiBi attention bridges (Falcon with ALiBi, such as Falcon-RW, and MPT)
 rebuild attention in their own ``_reconstruct_attention`` from the keys and values of the current
 forward only: they never call ``_update_kv_cache``. Every cached generation step then attends
 to its own position alone, and cached generation silently differs from uncached (relative errors
 of order 1 on the tiny checkpoints), in stock as with any transformers. TransformerLens 4.x calls
-``_update_kv_cache`` right after splitting the heads.
+``_update_kv_cache`` right after splitting the heads. (On 3.0 the write finds no cache for
+Falcon, which passes it as ``layer_past``: there the fix changes nothing yet.)
 
 The same is done here without copying either method: the patched ``_reconstruct_attention``
 holds its keyword arguments (where the cache arrives) in a context variable while the original
@@ -21,19 +22,29 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from safelens_tl import bridge_cache
+
 #: Keyword arguments of the reconstruction now running, until its head split has used them.
 _pending_arguments: ContextVar[dict[str, Any] | None] = ContextVar(
     "safelens_tl_pending_cache_arguments", default=None
 )
 
 
+#: Keyword arguments under which a reconstruction that keeps its own cache reads it (Baichuan's
+#: bridge reads a legacy ``past_key_value`` tuple and builds the next one itself).
+_CACHE_ARGUMENTS = (*bridge_cache.OLD_NAMES, bridge_cache.NEW_NAME, "past_key_value")
+
+
 def skips_the_cache(reconstruct: Callable[..., Any] | None) -> bool:
     """Whether ``reconstruct`` (an ``_reconstruct_attention``; ``None`` when a class defines
-    none) splits heads but never writes the KV cache: its code names ``_reshape_qkv_to_heads``
-    and not ``_update_kv_cache``."""
+    none) splits heads but never touches the KV cache: its code names ``_reshape_qkv_to_heads``
+    but neither ``_update_kv_cache`` nor any cache argument."""
     code = getattr(reconstruct, "__code__", None)
     names: tuple[str, ...] = getattr(code, "co_names", ())
-    return "_reshape_qkv_to_heads" in names and "_update_kv_cache" not in names
+    constants: tuple[Any, ...] = getattr(code, "co_consts", ())
+    if "_reshape_qkv_to_heads" not in names or "_update_kv_cache" in names:
+        return False
+    return not any(argument in constants for argument in _CACHE_ARGUMENTS)
 
 
 def writing_the_cache(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -109,7 +109,7 @@ def _own_method_patch(
 
 def _cache_writing_patches(bridge: targets.BridgeLayout) -> Iterator[Patch | Failure]:
     """Attention bridges whose own reconstruction never writes the KV cache (TransformerLens
-    3.9's ALiBi bridges): it is written at their head split, as 4.x does."""
+    3.x's ALiBi bridges): it is written at their head split, as 4.x does."""
     skipping = [
         owner
         for owner in bridge.reconstructing_attention_classes

@@ -101,7 +101,7 @@ FORWARD_CACHE_READERS: tuple[str, ...] = (
     "GlmMoeDsaAttentionBridge",
 )
 #: Attention bridges that reconstruct attention themselves (``_reconstruct_attention``) and may
-#: never write the KV cache there: TransformerLens 3.9's ALiBi bridges (Falcon with ALiBi, such as
+#: never write the KV cache there: TransformerLens 3.x's ALiBi bridges (Falcon with ALiBi, such as
 #: Falcon-RW, and MPT); 4.x calls ``_update_kv_cache`` in both. Not every release has each.
 RECONSTRUCTING_ATTENTION_BRIDGES: tuple[str, ...] = (
     "transformer_lens.model_bridge.generalized_components.alibi_joint_qkv_attention."

@@ -53,6 +53,14 @@ def benchmark_module(name: str) -> Any:
         sys.path.remove(str(BENCHMARKS))
 
 
+def subclasses(cls: type) -> list[type]:
+    """Every class below ``cls`` (children, their children, ...) that has been imported."""
+    found = []
+    for sub in cls.__subclasses__():
+        found.extend([sub, *subclasses(sub)])
+    return found
+
+
 _architecture_folders: dict[str, Path] = {}
 
 

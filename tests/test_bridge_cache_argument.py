@@ -23,7 +23,7 @@ import torch
 import safelens_tl
 from safelens_tl import bridge_cache, targets
 from safelens_tl.verify import bridge, checks
-from tests.conftest import requires_bridge
+from tests.conftest import requires_bridge, subclasses
 
 pytestmark = requires_bridge
 
@@ -285,17 +285,8 @@ def test_every_cache_reader_of_the_release_is_patched_or_listed_with_a_reason() 
     )
     # A subclass overriding _update_kv_cache would escape the base-class patch.
     attention = targets.locate_bridge().attention_class
-    overriding = [
-        c.__qualname__ for c in _subclasses(attention) if "_update_kv_cache" in c.__dict__
-    ]
+    overriding = [c.__qualname__ for c in subclasses(attention) if "_update_kv_cache" in c.__dict__]
     assert not overriding, overriding
-
-
-def _subclasses(cls: type) -> list[type]:
-    found = []
-    for sub in cls.__subclasses__():
-        found.extend([sub, *_subclasses(sub)])
-    return found
 
 
 @renamed_only

@@ -1,4 +1,4 @@
-"""Attention bridges that never wrote the KV cache (TransformerLens 3.9's ALiBi bridges).
+"""Attention bridges that never wrote the KV cache (TransformerLens 3.x's ALiBi bridges).
 
 Falcon with ALiBi (Falcon-RW's layout) and MPT generate through TransformerBridge with the cache
 ignored in stock TransformerLens 3.9: every cached step attends to its own position alone. With
@@ -9,9 +9,7 @@ left-padded batch (``benchmarks/bridge_architectures.py``'s ``run``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +19,10 @@ import torch
 import safelens_tl
 from safelens_tl import bridge_cache_writes, targets
 from safelens_tl.verify import bridge, models
-from tests.conftest import architecture_folder, benchmark_module, requires_bridge
+from tests.conftest import architecture_folder, benchmark_module, requires_bridge, subclasses
 
 pytestmark = requires_bridge
 
-COMPONENTS = "transformer_lens.model_bridge.generalized_components"
 _falcon_folder: list[Path] = []
 
 
@@ -61,16 +58,8 @@ def _attention_class(name: str) -> type:
 
 
 def _every_attention_bridge() -> list[type]:
-    """Every attention bridge class the release's components package defines."""
-    base = targets.locate_bridge().attention_class
-    package = importlib.import_module(COMPONENTS)
-    found: dict[type, None] = {}
-    for module_info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{COMPONENTS}.{module_info.name}")
-        for _, member in inspect.getmembers(module, inspect.isclass):
-            if issubclass(member, base):
-                found[member] = None
-    return list(found)
+    """Every attention bridge class of the release (TransformerBridge imports them all)."""
+    return subclasses(targets.locate_bridge().attention_class)
 
 
 def _reads_layer_past() -> bool:
@@ -110,7 +99,7 @@ def test_every_attention_bridge_that_skips_the_cache_is_listed() -> None:
     listed = set(map(targets.optional_class, targets.RECONSTRUCTING_ATTENTION_BRIDGES))
     for attention in _every_attention_bridge():
         reconstruct = attention.__dict__.get("_reconstruct_attention")
-        if reconstruct is not None and bridge_cache_writes.skips_the_cache(reconstruct):
+        if bridge_cache_writes.skips_the_cache(reconstruct):
             assert attention in listed, attention
 
 
@@ -119,7 +108,7 @@ def test_only_the_bridges_that_skip_the_cache_are_patched() -> None:
     layout = targets.locate_bridge()
     split = layout.attention_class.__dict__["_reshape_qkv_to_heads"]
     originals = {c: c.__dict__.get("_reconstruct_attention") for c in _every_attention_bridge()}
-    skipping = {c for c, f in originals.items() if f and bridge_cache_writes.skips_the_cache(f)}
+    skipping = {c for c, f in originals.items() if bridge_cache_writes.skips_the_cache(f)}
     safelens_tl.activate()
     for owner, original in originals.items():
         now = owner.__dict__.get("_reconstruct_attention")
