@@ -446,7 +446,8 @@ def build(architecture: str) -> str:
     return str(bridge.save_checkpoint(config, architecture, tokenizer))
 
 
-def _last_line(error: BaseException) -> str:
+def last_line(error: BaseException) -> str:
+    """The error's last line (type and message), cut to fit a table cell."""
     return traceback.format_exception_only(error)[-1].strip()[:120]
 
 
@@ -480,7 +481,7 @@ def run(
                 bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()
             ]
     except Exception as error:  # a row saying why, not a crash
-        return Outcome(error=_last_line(error), dtype=name)
+        return Outcome(error=last_line(error), dtype=name)
     finally:
         safelens_tl.deactivate()
     stored = {diagnostics.dtype_name(r.cache_dtype) for r in runs if r.cache_dtype is not None}
@@ -512,7 +513,7 @@ def verdict(patched: Outcome, stock: Outcome) -> str:
     return "right in both"
 
 
-def _write_json(path: str | None, results: dict[str, Any]) -> None:
+def write_json(path: str | None, results: dict[str, Any]) -> None:
     """Write what is known so far: a sweep takes minutes per architecture in half precision on a
     CPU (depthwise convolutions), and a run stopped early keeps its rows."""
     if path:
@@ -565,10 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             folder = build(architecture)
         except Exception as error:  # the row says why
-            missing = Outcome(error=_last_line(error))
+            missing = Outcome(error=last_line(error))
             table.add_row(architecture, missing.text(), "", "", "cannot build")
             results[architecture] = {"build_error": missing.error}
-            _write_json(arguments.json, results)
+            write_json(arguments.json, results)
             continue
         patched = run(folder, True, dtype, arguments.conversion)
         stock = run(folder, False, dtype, arguments.conversion)
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         own_text = "" if own is None else f"{own:.1e}"
         table.add_row(architecture, patched.text(), stock.text(), own_text, verdict(patched, stock))
         results[architecture] = {"patched": asdict(patched), "stock": asdict(stock)}
-        _write_json(arguments.json, results)
+        write_json(arguments.json, results)
     console.print(table)
     return 0
 

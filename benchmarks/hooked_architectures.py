@@ -178,7 +178,7 @@ def run(folder: str, architecture: str, active: bool, dtype: torch.dtype) -> Out
             try:
                 model = load(folder, dtype, architecture)
             except Exception as error:  # a row saying why
-                return Outcome(load_error=bridge_architectures._last_line(error))
+                return Outcome(load_error=bridge_architectures.last_line(error))
             result = runner.check_hooked(model, architecture)
     finally:
         safelens_tl.deactivate()
@@ -233,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             folder = build(architecture)
         except Exception as error:  # the row says why
-            why = bridge_architectures._last_line(error)
+            why = bridge_architectures.last_line(error)
             table.add_row(architecture, "", f"[red]cannot build: {why}[/red]")
             results[architecture] = {"build_error": why}
-            bridge_architectures._write_json(arguments.json, results)
+            bridge_architectures.write_json(arguments.json, results)
             continue
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 "patched": asdict(patched),
                 "stock": asdict(stock),
             }
-        bridge_architectures._write_json(arguments.json, results)
+        bridge_architectures.write_json(arguments.json, results)
     console.print(table)
     return 0
 

@@ -249,6 +249,32 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_hf_generate_reports_patched_and_stock(tmp_path: Path) -> None:
+    """Hugging Face's loop through the bridge: patched, cached gives the uncached tokens; stock
+    is reported beside it, and an unknown architecture is refused."""
+    path = tmp_path / "hf_generate.json"
+    done = run_script(
+        "bridge_hf_generate.py", "--architectures", "LlamaForCausalLM", "--json", str(path)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TransformerBridge.hf_generate" in done.stdout
+    result = json.loads(path.read_text())["LlamaForCausalLM"]
+    assert result["patched"] == "right", result
+    assert result["stock"] == "right" or result["stock"].startswith("wrong: "), result
+    refused = run_script("bridge_hf_generate.py", "--architectures", "NoSuchForCausalLM")
+    assert refused.returncode == 2 and "unknown ['NoSuchForCausalLM']" in refused.stderr
+
+
+def test_bridge_hf_generate_verdicts() -> None:
+    verdict = benchmark_module("bridge_hf_generate").verdict
+    assert verdict("right", "right") == "right in both"
+    assert "fixed" in verdict("right", "wrong: 3 of 16 tokens differ")
+    assert "worse" in verdict("wrong: 3 of 16 tokens differ", "right")
+    assert verdict("fails: X", "fails: X") == "the same in both"
+    assert "differs" in verdict("wrong: 3 of 16 tokens differ", "fails: X")
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_bridge_architectures_in_bfloat16_checks_the_cache_dtype(tmp_path: Path) -> None:
     """``--dtype bfloat16``: Llama's cache holds bfloat16 keys and its cached logits are within
     the verifier's bfloat16 tolerance; Mamba keeps no keys, and is held to twice Hugging Face's
