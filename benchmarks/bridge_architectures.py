@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from kv_cache import patched
 from rich.console import Console
 from rich.table import Table
 
-import safelens_tl
 from safelens_tl.verify import bridge, checks, diagnostics, models
 
 #: Settings every tiny checkpoint shares (an architecture's own settings override them).
@@ -463,18 +463,18 @@ def boot(folder: str, dtype: torch.dtype = torch.float32, conversion: str = "boo
     )
 
 
+def quietly() -> contextlib.AbstractContextManager[Any]:
+    """Boot-time chatter (TransformerLens prints, transformers warns) would bury the table."""
+    return contextlib.redirect_stderr(io.StringIO())
+
+
 def run(
     folder: str, active: bool, dtype: torch.dtype = torch.float32, conversion: str = "boot"
 ) -> Outcome:
     """Generate cached and uncached on every batch; stock when ``active`` is false."""
     name = diagnostics.dtype_name(dtype)
-    if active:
-        safelens_tl.activate()
-    else:
-        safelens_tl.deactivate()
     try:
-        # Boot-time chatter (TransformerLens prints, transformers warns) would bury the table.
-        with contextlib.redirect_stderr(io.StringIO()):
+        with patched(active), quietly():
             model = boot(folder, dtype, conversion)
             reference = bridge.reference_from(folder, dtype)
             runs = [
@@ -482,8 +482,6 @@ def run(
             ]
     except Exception as error:  # a row saying why, not a crash
         return Outcome(error=last_line(error), dtype=name)
-    finally:
-        safelens_tl.deactivate()
     stored = {diagnostics.dtype_name(r.cache_dtype) for r in runs if r.cache_dtype is not None}
     heads = [r.cache_heads for r in runs if r.cache_heads is not None]
     return Outcome(

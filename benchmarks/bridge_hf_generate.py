@@ -14,16 +14,14 @@ only the first is given), first with safelens-tl active, then stock. Right means
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 from typing import Any
 
 import bridge_architectures as architectures
 import torch
+from kv_cache import patched
 from rich.console import Console
 from rich.table import Table
 
-import safelens_tl
 from safelens_tl.verify import checks
 
 NEW_TOKENS = 8
@@ -46,21 +44,16 @@ def generate(model: Any, cached: bool) -> torch.Tensor:
 
 def run(folder: str, active: bool) -> str:
     """``"right"``, how many generated tokens differ, or the error; stock when not ``active``."""
-    if active:
-        safelens_tl.activate()
-    else:
-        safelens_tl.deactivate()
     try:
-        # Boot-time chatter (TransformerLens prints, transformers warns) would bury the table.
-        with contextlib.redirect_stderr(io.StringIO()):
+        with patched(active), architectures.quietly():
             model = architectures.boot(folder)
             cached, uncached = generate(model, True), generate(model, False)
     except Exception as error:  # a row saying why, not a crash
         return f"fails: {architectures.last_line(error)}"
-    finally:
-        safelens_tl.deactivate()
     if torch.equal(cached, uncached):
         return "right"
+    if cached.shape != uncached.shape:
+        return f"wrong: {tuple(cached.shape)} tokens against {tuple(uncached.shape)} uncached"
     differing = int((cached[:, -NEW_TOKENS:] != uncached[:, -NEW_TOKENS:]).sum())
     return f"wrong: {differing} of {cached.shape[0] * NEW_TOKENS} tokens differ"
 

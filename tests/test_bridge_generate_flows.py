@@ -123,29 +123,16 @@ def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any)
                 break
 
 
-def _hugging_face_generate(model: Any, cached: bool) -> torch.Tensor:
-    # ``use_past_kv_cache=False`` alone leaves the model's own default (``use_cache=True``) in
-    # force in TransformerLens 4.3's hf_generate: turning the cache off takes both.
-    tokens: torch.Tensor = model.hf_generate(
-        PROMPTS,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        stop_at_eos=False,
-        return_type="tokens",
-        use_past_kv_cache=cached,
-        use_cache=cached,
-    )
-    return tokens
-
-
 def test_hugging_face_generate_through_the_bridge_uses_the_cache_right(model: Any) -> None:
     """``hf_generate`` runs Hugging Face's own loop over the bridge's modules: its cached steps
     must pick what the uncached forward picks, and what its uncached loop picks. (Stock fails
     this with transformers 5.24: the modules ignore the cache Hugging Face hands them.)"""
-    cached = _hugging_face_generate(model, cached=True)
-    assert cached.shape == (len(PROMPTS), cached.shape[1])
-    assert torch.equal(cached[:, -NEW_TOKENS:], _uncached_choices(model, cached, NEW_TOKENS))
-    assert torch.equal(cached, _hugging_face_generate(model, cached=False))
+    hugging_face = benchmark_module("bridge_hf_generate")
+    new_tokens = hugging_face.NEW_TOKENS
+    cached = hugging_face.generate(model, cached=True)
+    assert cached.shape[0] == len(hugging_face.PROMPTS)
+    assert torch.equal(cached[:, -new_tokens:], _uncached_choices(model, cached, new_tokens))
+    assert torch.equal(cached, hugging_face.generate(model, cached=False))
 
 
 #: Ways of calling ``generate`` beyond greedy decoding, each compared cached against uncached.
