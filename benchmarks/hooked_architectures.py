@@ -28,10 +28,10 @@ from typing import Any
 
 import bridge_architectures
 import torch
+from kv_cache import patched
 from rich.console import Console
 from rich.table import Table
 
-import safelens_tl
 from safelens_tl import targets
 from safelens_tl.verify import bridge, diagnostics, local_model, models, runner
 
@@ -168,20 +168,13 @@ def load(folder: str, dtype: torch.dtype, architecture: str) -> Any:
 
 def run(folder: str, architecture: str, active: bool, dtype: torch.dtype) -> Outcome:
     """Load and check the model with safelens-tl active or not (stock)."""
-    if active:
-        safelens_tl.activate()
-    else:
-        safelens_tl.deactivate()
-    try:
-        # TransformerLens and transformers print and warn while loading; the table says it all.
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                model = load(folder, dtype, architecture)
-            except Exception as error:  # a row saying why
-                return Outcome(load_error=bridge_architectures.last_line(error))
-            result = runner.check_hooked(model, architecture)
-    finally:
-        safelens_tl.deactivate()
+    # TransformerLens and transformers print and warn while loading; the table says it all.
+    with patched(active), bridge_architectures.quietly(), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            model = load(folder, dtype, architecture)
+        except Exception as error:  # a row saying why
+            return Outcome(load_error=bridge_architectures.last_line(error))
+        result = runner.check_hooked(model, architecture)
     return Outcome(
         passed=bool(result.passed),
         max_rel_err=result.max_rel_err,

@@ -16,10 +16,10 @@ import io
 from typing import Any
 
 import torch
+from kv_cache import patched
 from rich.console import Console
 from rich.table import Table
 
-import safelens_tl
 from safelens_tl.verify import bridge, models
 
 LAST = 64
@@ -32,16 +32,10 @@ def relative_error(model: Any, tokens: torch.Tensor, reference: torch.Tensor) ->
     return float((logits - reference).abs().max() / reference.abs().max())
 
 
-def converted(dtype: torch.dtype, patched: bool) -> Any:
+def converted(dtype: torch.dtype, active: bool) -> Any:
     """The float32-booted bridge converted with ``.to(dtype)``, with or without safelens-tl."""
-    if patched:
-        safelens_tl.activate()
-    else:
-        safelens_tl.deactivate()
-    try:
+    with patched(active):
         return bridge.boot("llama-like-gqa", dtype, conversion="to")
-    finally:
-        safelens_tl.deactivate()
 
 
 def main() -> None:
@@ -68,8 +62,8 @@ def main() -> None:
             reference = reference_model(tokens, return_type="logits")[:, -LAST:].float()
         for dtype in (torch.float16, torch.bfloat16):
             booted = relative_error(bridge.boot("llama-like-gqa", dtype), tokens, reference)
-            stock = relative_error(converted(dtype, patched=False), tokens, reference)
-            fixed = relative_error(converted(dtype, patched=True), tokens, reference)
+            stock = relative_error(converted(dtype, active=False), tokens, reference)
+            fixed = relative_error(converted(dtype, active=True), tokens, reference)
             table.add_row(
                 str(length),
                 str(dtype).removeprefix("torch."),
