@@ -4,7 +4,8 @@
 patches are :class:`~safelens_tl.patching.DeferredPatches`: built and installed when that module
 is first imported, not at ``import transformer_lens``. Every patch is chosen by what the installed
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
-:mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype` and
+:mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
+:mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache` and
 :mod:`safelens_tl.bridge_state_mask`.
 """
 
@@ -17,7 +18,9 @@ from typing import Any
 from safelens_tl import (
     bridge_cache,
     bridge_cache_writes,
+    bridge_codegen,
     bridge_conversion,
+    bridge_hybrid_cache,
     bridge_model_call,
     bridge_rotary_dtype,
     bridge_state_mask,
@@ -39,7 +42,27 @@ def safelens_tl_patches(layout: Layout) -> list[DeferredPatches]:
     exists."""
     if not targets.has_bridge():
         return []
-    return [DeferredPatches(targets.BRIDGE_MODULE, bridge_patches)]
+    return [
+        DeferredPatches(targets.BRIDGE_MODULE, bridge_patches),
+        # Its own module: importing Hugging Face's CodeGen costs about 0.3 s, paid only by
+        # those who load a CodeGen model.
+        DeferredPatches(targets.CODEGEN_MODULE, codegen_patches),
+    ]
+
+
+def codegen_patches() -> Iterator[Patch | Failure]:
+    """Hugging Face's ``CodeGenAttention`` answers ``scale_attn`` where transformers 5.24+ no
+    longer sets it (:class:`~safelens_tl.bridge_codegen.HeadSizeScale`)."""
+    attention = targets.optional_class(targets.CODEGEN_ATTENTION_CLASS)
+    if attention is None:
+        yield Failure(
+            SOURCE,
+            "CodeGen",
+            f"expected {targets.CODEGEN_ATTENTION_CLASS}; CodeGen models may fail through "
+            "TransformerBridge",
+        )
+    elif "scale_attn" not in attention.__dict__:
+        yield Patch(attention, "scale_attn", bridge_codegen.HeadSizeScale())
 
 
 def bridge_patches() -> Iterator[Patch | Failure]:
@@ -59,6 +82,22 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             bridge_rotary_dtype.rotating_in_model_dtype,
             "half precision",
             "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
+        )
+    if bridge.codegen_attention_class is not None:
+        yield _own_method_patch(
+            bridge.codegen_attention_class,
+            "_reconstruct_attention",
+            bridge_codegen.rotating_with_model_embeddings,
+            "CodeGen",
+            "CodeGen models fail with transformers 5.24+, and in float16 and bfloat16",
+        )
+    for adapter in bridge.stateful_cache_adapters:
+        yield _own_method_patch(
+            adapter,
+            "create_stateful_cache",
+            bridge_hybrid_cache.falling_back_to_the_model_s_cache,
+            "transformers compatibility",
+            "its cached generation may fail on a cache class this transformers lacks",
         )
     yield from _cache_writing_patches(bridge)
     renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME

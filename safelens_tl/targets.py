@@ -88,6 +88,21 @@ ROTARY_ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.position_embeddings_attention."
     "PositionEmbeddingsAttentionBridge"
 )
+#: CodeGen's attention bridge, which looks its rotary angles up in a table transformers 5.24 moved
+#: (see :mod:`safelens_tl.bridge_codegen`).
+CODEGEN_ATTENTION_BRIDGE_CLASS = (
+    "transformer_lens.model_bridge.generalized_components.codegen_attention.CodeGenAttentionBridge"
+)
+#: Architecture adapters whose ``create_stateful_cache`` imports a cache class later transformers
+#: removed (see :mod:`safelens_tl.bridge_hybrid_cache`). Not every release has each.
+STATEFUL_CACHE_ADAPTERS: tuple[str, ...] = (
+    "transformer_lens.model_bridge.supported_architectures.olmo_hybrid."
+    "OlmoHybridArchitectureAdapter",
+)
+#: Hugging Face's CodeGen, whose attention the bridge reads ``scale_attn`` of (transformers 5.24
+#: dropped it); imported only by a CodeGen model.
+CODEGEN_MODULE = "transformers.models.codegen.modeling_codegen"
+CODEGEN_ATTENTION_CLASS = f"{CODEGEN_MODULE}.CodeGenAttention"
 #: How TransformerBridge calls the Hugging Face model (TransformerLens 4.x; absent in 3.x, which
 #: calls the model itself).
 TRANSFORMERS_DRIVER_CLASS = (
@@ -187,6 +202,10 @@ class BridgeLayout:
     rotary_attention_class: type | None = None
     #: Bridges of :data:`RECONSTRUCTING_ATTENTION_BRIDGES` in this release.
     reconstructing_attention_classes: tuple[type, ...] = ()
+    #: :data:`CODEGEN_ATTENTION_BRIDGE_CLASS`, where this release has it.
+    codegen_attention_class: type | None = None
+    #: Adapters of :data:`STATEFUL_CACHE_ADAPTERS` in this release.
+    stateful_cache_adapters: tuple[type, ...] = ()
 
 
 def has_bridge() -> bool:
@@ -239,6 +258,10 @@ def locate_bridge() -> BridgeLayout:
         rotary_attention_class=optional_class(ROTARY_ATTENTION_BRIDGE_CLASS),
         reconstructing_attention_classes=tuple(
             c for c in map(optional_class, RECONSTRUCTING_ATTENTION_BRIDGES) if c is not None
+        ),
+        codegen_attention_class=optional_class(CODEGEN_ATTENTION_BRIDGE_CLASS),
+        stateful_cache_adapters=tuple(
+            c for c in map(optional_class, STATEFUL_CACHE_ADAPTERS) if c is not None
         ),
     )
 

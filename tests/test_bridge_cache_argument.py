@@ -381,7 +381,8 @@ def test_cached_generate_stays_right_once_transformers_drops_the_old_name(
 
 def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path) -> None:
     """A fresh interpreter: activation must not import the bridge (about 2 s) where
-    ``import transformer_lens`` does not (4.x); where it does (3.x), the patches apply at once."""
+    ``import transformer_lens`` does not (4.x); where it does (3.x), the patches apply at once.
+    Hugging Face's CodeGen likewise: patched when a CodeGen model imports it."""
     code = textwrap.dedent(
         """
         import json, sys
@@ -391,12 +392,18 @@ def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path
         loaded_early = "transformer_lens.model_bridge" in sys.modules
         import transformer_lens.model_bridge
         after = safelens_tl.status()
+        codegen_loaded = "transformers.models.codegen.modeling_codegen" in sys.modules
+        import transformers.models.codegen.modeling_codegen
+        last = safelens_tl.status()
         print(json.dumps({
             "loaded_early": loaded_early,
             "pending_before": list(before.pending),
             "pending_after": list(after.pending),
             "bridge_patched": [t for t in after.patched if "model_bridge" in t],
-            "failures": [str(f) for f in after.failures],
+            "codegen_loaded": codegen_loaded,
+            "pending_last": list(last.pending),
+            "codegen_patched": [t for t in last.patched if t.startswith("transformers.")],
+            "failures": [str(f) for f in last.failures],
         }))
         """
     )
@@ -412,10 +419,15 @@ def test_bridge_patches_wait_for_the_bridge_import_and_then_apply(tmp_path: Path
     import json
 
     out = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert out["pending_before"] == ([] if out["loaded_early"] else [targets.BRIDGE_MODULE])
+    bridge_pending = [] if out["loaded_early"] else [targets.BRIDGE_MODULE]
+    assert out["pending_before"] == [*bridge_pending, targets.CODEGEN_MODULE]
     if targets.locate_bridge().driver_class is not None:
         assert not out["loaded_early"], "TransformerLens 4.x imports its bridge lazily"
-    assert out["pending_after"] == []
+    # Hugging Face's CodeGen (about 0.3 s) is imported by a CodeGen model, not by the bridge.
+    assert not out["codegen_loaded"]
+    assert out["pending_after"] == [targets.CODEGEN_MODULE]
+    assert out["pending_last"] == []
+    assert out["codegen_patched"] == [f"{targets.CODEGEN_ATTENTION_CLASS}.scale_attn"]
     assert any(t.endswith("TransformerBridge.to") for t in out["bridge_patched"])
     if RENAMED:
         assert any(t.endswith("AttentionBridge._update_kv_cache") for t in out["bridge_patched"])
