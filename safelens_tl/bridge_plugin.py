@@ -5,8 +5,8 @@ patches are :class:`~safelens_tl.patching.DeferredPatches`: built and installed 
 is first imported, not at ``import transformer_lens``. Every patch is chosen by what the installed
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
-:mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache` and
-:mod:`safelens_tl.bridge_state_mask`.
+:mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
+:mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from safelens_tl import (
+    bridge_attention_mask,
     bridge_cache,
     bridge_cache_writes,
     bridge_codegen,
@@ -91,6 +92,14 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             "CodeGen",
             "CodeGen models fail with transformers 5.24+, and in float16 and bfloat16",
         )
+    yield _own_method_patch(
+        bridge.attention_class,
+        "_apply_reconstruct_attention_mask",
+        bridge_attention_mask.keeping_the_causal_mask,
+        "attention masks",
+        "a forward with an attention_mask may attend to later positions in models whose mask "
+        "marks only padding (OpenAI GPT)",
+    )
     for adapter in bridge.stateful_cache_adapters:
         yield _own_method_patch(
             adapter,
