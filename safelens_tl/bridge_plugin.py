@@ -39,8 +39,8 @@ _Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[DeferredPatches]:
-    """TransformerBridge's cache argument, ``cfg`` sync, rotary dtype, state-space masks, when it
-    exists."""
+    """TransformerBridge's cache argument, ``cfg`` sync, rotary dtype, state-space masks, masks
+    and caches of single architectures, when it exists; Hugging Face's CodeGen once imported."""
     if not targets.has_bridge():
         return []
     return [
