@@ -50,10 +50,12 @@ def keeping_the_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
         q_seq_len: int | None = None,
     ) -> torch.Tensor:
         queries = seq_len if q_seq_len is None else q_seq_len
-        causal = getattr(self, "is_causal", False) is True and not getattr(
-            self, "is_cross_attention", False
-        )
-        if causal and is_padding_row_mask(attention_mask, queries):
+        # The mask's shape first: it rules out nearly every call at once.
+        if (
+            is_padding_row_mask(attention_mask, queries)
+            and getattr(self, "is_causal", False) is True
+            and not getattr(self, "is_cross_attention", False)
+        ):
             attn_scores = original(self, attn_scores, None, seq_len, q_seq_len)
         result: torch.Tensor = original(self, attn_scores, attention_mask, seq_len, q_seq_len)
         return result

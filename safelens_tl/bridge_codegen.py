@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-#: The keyword transformers 5.24+ passes the layer's ``(sin, cos)`` under.
-EMBEDDINGS_ARGUMENT = "position_embeddings"
+# The keyword transformers passes a layer's rotary embeddings under; CodeGen's from 5.24 on.
+from safelens_tl.bridge_rotary_dtype import EMBEDDINGS_ARGUMENT
+
 #: The keyword the bridge looks positions up with; dropped once the rotation is done here.
 POSITIONS_ARGUMENT = "position_ids"
 

@@ -70,7 +70,9 @@ class _Recorder:
         self.calls: list[Any] = []
 
 
-def _original(self: _Recorder, attn_scores: Any, attention_mask: Any, seq_len: int, *rest: Any):
+def _original(
+    self: _Recorder, attn_scores: Any, attention_mask: Any, seq_len: int, *rest: Any
+) -> Any:
     self.calls.append(None if attention_mask is None else tuple(attention_mask.shape))
     return attn_scores
 
