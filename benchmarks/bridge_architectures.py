@@ -376,10 +376,13 @@ class Outcome:
         return bool(self.tokens_equal) or self.dtype != "float32"
 
     def wrong(self) -> bool:
-        """Far off: the cache ignored or lost (above :data:`WRONG`), or other tokens for logits
-        outside rounding."""
+        """Far off: the cache ignored or lost (above :data:`WRONG`), or other tokens, for logits
+        outside rounding. Within twice Hugging Face's own error is never wrong: HRM's loops in
+        half precision move Hugging Face's own cached logits by more than 1 (bfloat16)."""
         assert self.max_rel_err is not None
-        return self.max_rel_err > WRONG or not (self.tokens_equal or self.within_rounding())
+        if self.within_rounding():
+            return False
+        return self.max_rel_err > WRONG or not self.tokens_equal
 
     def text(self) -> str:
         """The table cell."""
