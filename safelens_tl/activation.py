@@ -205,6 +205,24 @@ def _install_deferred(batch: patching.DeferredPatches) -> None:
     _warn(failures)
 
 
+def install_found(patches: Iterable[patching.Patch]) -> None:
+    """Install patches a replacement finds it needs while running (a class first met in a
+    forward), so that ``status()`` lists them and :func:`deactivate` removes them.
+
+    Does nothing while inactive; a patch whose attribute its own plugin already holds (another
+    thread got there first) is skipped without a report.
+    """
+    with _state.lock:
+        if not _state.active:
+            return
+        fresh = [p for p in patches if _state.claimed.get((p.owner, p.attribute)) != p.plugin]
+        if not fresh:
+            return
+        failures = _install_each(fresh)
+        _publish([*_state.report.failures, *failures])
+    _warn(failures)
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 

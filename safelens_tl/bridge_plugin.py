@@ -6,6 +6,7 @@ is first imported, not at ``import transformer_lens``. Every patch is chosen by 
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
+:mod:`safelens_tl.bridge_gated_delta`,
 :mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
 """
 
@@ -21,6 +22,7 @@ from safelens_tl import (
     bridge_cache_writes,
     bridge_codegen,
     bridge_conversion,
+    bridge_gated_delta,
     bridge_hybrid_cache,
     bridge_model_call,
     bridge_rotary_dtype,
@@ -100,6 +102,15 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         "a forward with an attention_mask may attend to later positions in models whose mask "
         "marks only padding (OpenAI GPT)",
     )
+    gated_delta = bridge.gated_delta_net_class
+    if gated_delta is not None and bridge_gated_delta.reads_functions_from_the_layer(
+        gated_delta.__dict__.get("_hooked_forward")
+    ):
+        yield Patch(
+            gated_delta,
+            "_hooked_forward",
+            bridge_gated_delta.supplying_layer_functions(gated_delta.__dict__["_hooked_forward"]),
+        )
     for adapter in bridge.stateful_cache_adapters:
         yield _own_method_patch(
             adapter,

@@ -93,6 +93,12 @@ ROTARY_ATTENTION_BRIDGE_CLASS = (
 CODEGEN_ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.codegen_attention.CodeGenAttentionBridge"
 )
+#: The linear-attention bridge of Qwen3-Next and Qwen3.5, whose hooked (uncached) forward in
+#: TransformerLens 3.9 reads two functions from Hugging Face's layer that transformers 5.15+ keeps
+#: at module level (see :mod:`safelens_tl.bridge_gated_delta`).
+GATED_DELTA_NET_BRIDGE_CLASS = (
+    "transformer_lens.model_bridge.generalized_components.gated_delta_net.GatedDeltaNetBridge"
+)
 #: Architecture adapters whose ``create_stateful_cache`` imports a cache class later transformers
 #: removed (see :mod:`safelens_tl.bridge_hybrid_cache`). Not every release has each.
 STATEFUL_CACHE_ADAPTERS: tuple[str, ...] = (
@@ -127,11 +133,7 @@ RECONSTRUCTING_ATTENTION_BRIDGES: tuple[str, ...] = (
 #: Bridges that choose their cached (generation) path by whether ``cache_params`` arrives, the
 #: name transformers gave the linear-attention state cache before 5.24 (which passes ``cache``),
 #: each with the method that path runs. Not every release has each.
-STATE_CACHE_READERS: dict[str, str] = {
-    "transformer_lens.model_bridge.generalized_components.gated_delta_net.GatedDeltaNetBridge": (
-        "_native_forward"
-    ),
-}
+STATE_CACHE_READERS: dict[str, str] = {GATED_DELTA_NET_BRIDGE_CLASS: "_native_forward"}
 #: State-space mixer bridges whose Hugging Face mixer multiplies its input by the attention mask it
 #: is given (Mamba, FalconMamba); see :mod:`safelens_tl.bridge_state_mask`. Mamba-2's bridge is
 #: not listed: its Hugging Face model trims the mask before its mixers see it.
@@ -206,6 +208,8 @@ class BridgeLayout:
     codegen_attention_class: type | None = None
     #: Adapters of :data:`STATEFUL_CACHE_ADAPTERS` in this release.
     stateful_cache_adapters: tuple[type, ...] = ()
+    #: :data:`GATED_DELTA_NET_BRIDGE_CLASS`, where this release has it.
+    gated_delta_net_class: type | None = None
 
 
 def has_bridge() -> bool:
@@ -263,6 +267,7 @@ def locate_bridge() -> BridgeLayout:
         stateful_cache_adapters=tuple(
             c for c in map(optional_class, STATEFUL_CACHE_ADAPTERS) if c is not None
         ),
+        gated_delta_net_class=optional_class(GATED_DELTA_NET_BRIDGE_CLASS),
     )
 
 

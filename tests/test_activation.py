@@ -140,3 +140,32 @@ def test_deactivate_is_quiet_when_everything_was_still_ours() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", SafelensWarning)
         safelens_tl.deactivate()
+
+
+class _FoundLater:
+    """A class a replacement meets only while running (as a layer class in a forward)."""
+
+
+def test_patches_found_while_running_are_reported_made_once_and_removed() -> None:
+    """``install_found``: listed by ``status()``, a second request by the same plugin (another
+    thread) is skipped without a report, ``deactivate()`` removes them, and while inactive
+    nothing is installed."""
+    from safelens_tl import activation
+    from safelens_tl.patching import Patch
+
+    found = Patch(_FoundLater, "found", 1, plugin="tests")
+    target = f"{__name__}._FoundLater.found"
+    safelens_tl.activate()
+    try:
+        activation.install_found([found])
+        activation.install_found([found])
+        status = safelens_tl.status()
+        assert status.patched.count(target) == 1
+        assert not any(target in str(failure) for failure in status.failures)
+        assert _FoundLater.__dict__["found"] == 1
+    finally:
+        safelens_tl.deactivate()
+    assert "found" not in _FoundLater.__dict__
+    activation.install_found([found])
+    assert "found" not in _FoundLater.__dict__
+    safelens_tl.activate()
