@@ -90,6 +90,30 @@ def test_a_state_space_checkpoint_folder_verifies_patched_and_fails_stock() -> N
     assert all("differ" in (check.error or "") for check in stock.checks)
 
 
+class _Run:
+    def __init__(self, rel_err: float | None, error: str | None = None, batch: int = 2) -> None:
+        self.hf_generate_rel_err, self.hf_generate_error, self.batch = rel_err, error, batch
+
+
+def test_hf_generate_is_held_to_the_bound_of_generate() -> None:
+    """A NaN error, an error above the bound and an ``hf_generate`` that raised each make the
+    check fail, naming the batch; none where it is missing (``None``) or within the bound."""
+    problems = runner._hf_generate_problems(
+        [
+            _Run(1e-3),
+            _Run(None),
+            _Run(float("nan"), batch=1),
+            _Run(5e-2),
+            _Run(None, "TypeError: no"),
+        ],
+        2e-3,
+    )
+    assert len(problems) == 3, problems
+    assert "nan (relative, batch of 1)" in problems[0]
+    assert "5.00e-02" in problems[1] and "above 2e-03" in problems[1]
+    assert problems[2] == "hf_generate (batch of 2) raised TypeError: no"
+
+
 def test_attention_models_keep_the_tolerance_of_their_dtype() -> None:
     """Hugging Face's own attention rounds differently with and without a cache, by up to about
     a unit of bfloat16; that must not loosen the bound for attention-only models, or a cache 1% off

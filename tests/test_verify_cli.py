@@ -169,6 +169,7 @@ def test_default_run_checks_transformer_bridge_and_passes(runs: dict[str, Future
         assert check["passed"], check
         assert check["max_rel_err"] <= check["tolerance"]
         assert check["reference_rel_err"] <= check["reference_tolerance"]
+        assert check["hf_generate_rel_err"] <= check["tolerance"]
         assert check["cache_dtype"] == check["dtype"]
         assert check["cache_heads"] == check["expected_cache_heads"]
 
@@ -184,6 +185,9 @@ def test_no_patch_fails_the_bridge_and_says_why(runs: dict[str, Future[Run]]) ->
     assert bridge and not any(c["passed"] for c in bridge)
     for check in bridge:
         assert "passes the KV cache to attention modules as `cache`" in check["error"]
+        # Hugging Face's loop through the bridge is checked on its own, and is wrong as well.
+        assert "hf_generate's cached logits differ" in check["error"]
+        assert check["hf_generate_rel_err"] > check["tolerance"]
 
 
 @pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="no HookedTransformer to generate with")

@@ -254,6 +254,12 @@ class BridgeRun:
     #: Hugging Face's own cached generate against its own uncached forward, the same prompts
     #: (:func:`hugging_face_cached_error`): the rounding of the model's cached path itself.
     hugging_face_cached_rel_err: float | None = None
+    #: ``hf_generate`` (Hugging Face's generate loop over the bridge's modules, with the cache)
+    #: against the bridge's own uncached forward (:func:`hf_generate_error`); ``None`` where this
+    #: TransformerLens has no ``hf_generate``.
+    hf_generate_rel_err: float | None = None
+    #: Why ``hf_generate`` could not run, where it raised.
+    hf_generate_error: str | None = None
 
     @property
     def agreement(self) -> float:
@@ -426,6 +432,11 @@ def run_batch(
         # agree with the cached tokens exactly when an uncached generation would.
         uncached_tokens = own[:, -new_tokens - 1 : -1].argmax(dim=-1)
         seconds_uncached = None
+    hf_error: str | None = None
+    try:
+        hf_rel_err = hf_generate_error(bridge, prompts, new_tokens)
+    except Exception as error:  # reported in the check's row, as any failing check
+        hf_rel_err, hf_error = None, f"{type(error).__name__}: {error}"
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
@@ -442,7 +453,33 @@ def run_batch(
         recurrent_state=recurrent,
         state_only=recurrent and keys is None,
         hugging_face_cached_rel_err=own_rounding,
+        hf_generate_rel_err=hf_rel_err,
+        hf_generate_error=hf_error,
     )
+
+
+def hf_generate_error(bridge: Any, prompts: Sequence[str], new_tokens: int) -> float | None:
+    """``bridge.hf_generate`` of ``prompts`` (greedy, with the cache): the logits of every step
+    against the bridge's own uncached forward over what it generated (relative error). It hands
+    generation to Hugging Face's loop, which passes the cache to the bridge's modules its own
+    way; ``None`` where this TransformerLens has no ``hf_generate``."""
+    if not callable(getattr(bridge, "hf_generate", None)):
+        return None
+    output = bridge.hf_generate(
+        list(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # an early end would leave fewer steps to compare
+        do_sample=False,
+        stop_at_eos=False,
+        return_type="tokens",
+        use_cache=True,
+        output_logits=True,
+    )
+    sequences = output.sequences
+    mask, positions = mask_and_positions(bridge, sequences)
+    with torch.inference_mode():
+        own = bridge(sequences, attention_mask=mask, position_ids=positions, return_type="logits")
+    return _relative_error(torch.stack(list(output.logits), dim=1), own[:, -new_tokens - 1 : -1])
 
 
 def hugging_face_cached_error(

@@ -37,6 +37,9 @@ class CheckResult:
     #: TransformerBridge rows: Hugging Face's own cached generate against its uncached forward. For
     #: models with a recurrent state (Mamba, hybrids) twice this, where larger, is the tolerance.
     hugging_face_cached_rel_err: float | None = None
+    #: TransformerBridge rows: ``hf_generate`` (Hugging Face's loop over the bridge, cached)
+    #: against the bridge's uncached forward, held to ``tolerance``; ``None`` where it is missing.
+    hf_generate_rel_err: float | None = None
     generate_ok: bool | None = None
     greedy_agreement: float | None = None
     cache_dtype: str | None = None

@@ -354,6 +354,9 @@ def _bridge_check(
             f"cached generate's logits differ from Hugging Face's own uncached forward by "
             f"{result.reference_rel_err:.2e} (relative), above {reference_bound:.0e}"
         )
+    problems.extend(_hf_generate_problems(runs, tolerance))
+    hf_errors = [run.hf_generate_rel_err for run in runs if run.hf_generate_rel_err is not None]
+    result.hf_generate_rel_err = max(hf_errors, default=None)
     for run in runs:
         problems.extend(_bridge_cache_problems(run, dtype, device))
     first = runs[0]
@@ -364,6 +367,23 @@ def _bridge_check(
     result.passed = not problems
     result.error = "; ".join(dict.fromkeys(problems)) or None
     return result
+
+
+def _hf_generate_problems(runs: list[Any], tolerance: float) -> list[str]:
+    """What is wrong with ``hf_generate`` through the bridge, held to the same bound as the
+    bridge's own cached ``generate``."""
+    problems = []
+    for run in runs:
+        if run.hf_generate_error is not None:
+            problems.append(f"hf_generate (batch of {run.batch}) raised {run.hf_generate_error}")
+        # Written as "not <=" so that a NaN error fails too.
+        elif run.hf_generate_rel_err is not None and not run.hf_generate_rel_err <= tolerance:
+            problems.append(
+                f"hf_generate's cached logits differ from the bridge's uncached forward by "
+                f"{run.hf_generate_rel_err:.2e} (relative, batch of {run.batch}), above "
+                f"{tolerance:.0e}"
+            )
+    return problems
 
 
 def _bridge_cache_problems(run: Any, dtype: torch.dtype, device: str) -> list[str]:
