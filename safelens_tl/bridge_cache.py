@@ -171,13 +171,31 @@ def _only_under_new_name(kwargs: dict[str, Any]) -> bool:
     return NEW_NAME in kwargs and all(kwargs.get(name) is None for name in OLD_NAMES)
 
 
+#: What Hugging Face's older attention modules (Falcon, BLOOM, GPTBigCode, ...) still call the
+#: cache they pass.
+LAYER_PAST = "layer_past"
+
+
+def reads_layer_past(update_kv_cache: Any) -> bool:
+    """Whether an ``AttentionBridge._update_kv_cache`` also looks for the cache under
+    ``layer_past`` (TransformerLens 3.9 and 4.x); 3.0's reads ``past_key_values`` only, so the
+    bridges of Falcon, BLOOM and GPTBigCode never wrote their cache there."""
+    code = getattr(update_kv_cache, "__code__", None)
+    return code is not None and LAYER_PAST in code.co_consts
+
+
 def reading_update_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``AttentionBridge._update_kv_cache``: it also finds a cache passed as ``cache``."""
+    """Wrap ``AttentionBridge._update_kv_cache``: it also finds a cache passed as ``cache``, and,
+    where the original ignores it (:func:`reads_layer_past`), one passed as ``layer_past``."""
+    maps_layer_past = not reads_layer_past(original)
 
     @functools.wraps(original)
     def _update_kv_cache(self: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        # Assigning into this call's own dict: the caller's arguments are unchanged.
         if _only_under_new_name(kwargs):
-            kwargs["past_key_values"] = kwargs[NEW_NAME]  # this call's own dict: caller unchanged
+            kwargs["past_key_values"] = kwargs[NEW_NAME]
+        elif maps_layer_past and kwargs.get("past_key_values") is None:
+            kwargs["past_key_values"] = kwargs.get(LAYER_PAST)
         return original(self, k, v, **kwargs)
 
     return _update_kv_cache

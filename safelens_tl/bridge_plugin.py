@@ -123,12 +123,21 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
     yield from _state_space_mixer_patches(bridge, renamed)
     yield from _model_call_patch(bridge)
+    update = bridge.attention_class.__dict__.get("_update_kv_cache")
+    if renamed or not bridge_cache.reads_layer_past(update):
+        yield _own_method_patch(
+            bridge.attention_class,
+            "_update_kv_cache",
+            bridge_cache.reading_update_kv_cache,
+            "transformers compatibility",
+            "it cannot be taught the `cache` argument of this transformers, nor `layer_past`, so "
+            "its cached generation may ignore the cache",
+        )
     if not renamed:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
     readers: list[tuple[type, str, _Wrapper]] = [
-        (bridge.attention_class, "_update_kv_cache", bridge_cache.reading_update_kv_cache)
+        (c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers
     ]
-    readers += [(c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers]
     for owner, cached_path in bridge.state_cache_readers:
         if callable(getattr(owner, cached_path, None)):
             reader = functools.partial(bridge_cache.reading_state_forward, cached_path=cached_path)

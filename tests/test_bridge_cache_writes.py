@@ -62,13 +62,6 @@ def _every_attention_bridge() -> list[type]:
     return subclasses(targets.locate_bridge().attention_class)
 
 
-def _reads_layer_past() -> bool:
-    """Whether the release's ``_update_kv_cache`` finds a cache passed as ``layer_past`` (the
-    name Falcon and MPT pass it under); TransformerLens 3.0's reads ``past_key_values`` only."""
-    update = inspect.unwrap(targets.locate_bridge().attention_class.__dict__["_update_kv_cache"])
-    return "layer_past" in update.__code__.co_consts
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(ATTENTION_OF))
 def test_an_alibi_bridge_generates_right_with_its_cache(name: str, dtype: torch.dtype) -> None:
@@ -84,13 +77,10 @@ def test_an_alibi_bridge_generates_right_with_its_cache(name: str, dtype: torch.
         return
     stock = architectures.run(folder, active=False, dtype=dtype)
     assert stock.wrong(), stock  # the cache is ignored: what the patch fixes
-    if _reads_layer_past():
-        assert patched.right(), patched
-        assert patched.cache_dtype == str(dtype).removeprefix("torch."), patched
-    else:
-        # TransformerLens 3.0 does not read the cache Falcon passes at all: still wrong, as in
-        # stock (documented in docs/reliability.md), and no worse.
-        assert stock == patched
+    # On TransformerLens 3.0 this also needs the cache Falcon passes as ``layer_past`` read
+    # (safelens_tl.bridge_cache.reading_update_kv_cache).
+    assert patched.right(), patched
+    assert patched.cache_dtype == str(dtype).removeprefix("torch."), patched
 
 
 def test_every_attention_bridge_that_skips_the_cache_is_listed() -> None:
