@@ -255,8 +255,8 @@ class BridgeRun:
     #: (:func:`hugging_face_cached_error`): the rounding of the model's cached path itself.
     hugging_face_cached_rel_err: float | None = None
     #: ``hf_generate`` (Hugging Face's generate loop over the bridge's modules, with the cache)
-    #: against the bridge's own uncached forward (:func:`hf_generate_error`); ``None`` where this
-    #: TransformerLens has no ``hf_generate``.
+    #: against the bridge's own uncached forward (:func:`hf_generate_against_uncached`);
+    #: ``None`` where this TransformerLens has no ``hf_generate``.
     hf_generate_rel_err: float | None = None
     #: Why ``hf_generate`` could not run, where it raised.
     hf_generate_error: str | None = None
@@ -434,7 +434,7 @@ def run_batch(
         seconds_uncached = None
     hf_error: str | None = None
     try:
-        hf_rel_err = hf_generate_error(bridge, prompts, new_tokens)
+        hf_rel_err = hf_generate_against_uncached(bridge, prompts, new_tokens)
     except Exception as error:  # reported in the check's row, as any failing check
         hf_rel_err, hf_error = None, f"{type(error).__name__}: {error}"
     return BridgeRun(
@@ -458,7 +458,9 @@ def run_batch(
     )
 
 
-def hf_generate_error(bridge: Any, prompts: Sequence[str], new_tokens: int) -> float | None:
+def hf_generate_against_uncached(
+    bridge: Any, prompts: Sequence[str], new_tokens: int
+) -> float | None:
     """``bridge.hf_generate`` of ``prompts`` (greedy, with the cache): the logits of every step
     against the bridge's own uncached forward over what it generated (relative error). It hands
     generation to Hugging Face's loop, which passes the cache to the bridge's modules its own
