@@ -319,6 +319,31 @@ TINY_VISION: dict[str, Any] = {
 }
 #: Every architecture the benchmark knows, in table order.
 ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE)
+_T5_LIKE = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
+_BART_LIKE = {
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_position_embeddings": 64,
+}
+#: Encoder-decoder checkpoints (architecture -> config class, settings). Only ``hf_generate`` runs
+#: them with a cache (``TransformerBridge.generate`` recomputes the decoder without one), so they
+#: are swept by ``benchmarks/bridge_hf_generate.py``, not here. Weights at a larger scale than
+#: the default (``initializer_factor``, ``init_std``), as :data:`COMMON` does for the others.
+ENCODER_DECODER: dict[str, tuple[str, dict[str, Any]]] = {
+    "T5ForConditionalGeneration": ("T5Config", {**_T5_LIKE, "initializer_factor": 3.0}),
+    "MT5ForConditionalGeneration": ("MT5Config", {**_T5_LIKE, "initializer_factor": 3.0}),
+    "LongT5ForConditionalGeneration": ("LongT5Config", {**_T5_LIKE, "initializer_factor": 3.0}),
+    "BartForConditionalGeneration": ("BartConfig", {**_BART_LIKE, "init_std": 0.3}),
+    "MBartForConditionalGeneration": ("MBartConfig", {**_BART_LIKE, "init_std": 0.3}),
+    "PegasusForConditionalGeneration": ("PegasusConfig", {**_BART_LIKE, "init_std": 0.3}),
+    "BlenderbotForConditionalGeneration": ("BlenderbotConfig", {**_BART_LIKE, "init_std": 0.3}),
+    "M2M100ForConditionalGeneration": ("M2M100Config", {**_BART_LIKE, "init_std": 0.3}),
+}
 #: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
 WRONG = 0.1
 
@@ -437,9 +462,33 @@ def _vision_language_config(architecture: str, tokenizer: Any) -> Any:
     return config
 
 
+def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
+    import transformers
+
+    config_name, settings = ENCODER_DECODER[architecture]
+    config = _config_class(config_name)(
+        vocab_size=models.vocab_size(),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+        **settings,
+    )
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    folder = models.scratch_folder(f"hf-{architecture}")
+    with bridge.no_progress_bars():
+        transformers.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def build(architecture: str) -> str:
-    """Save the tiny checkpoint of ``architecture``; return its folder."""
+    """Save the tiny checkpoint of ``architecture`` (any of :data:`ALL_ARCHITECTURES` and
+    :data:`ENCODER_DECODER`); return its folder."""
     tokenizer = models.load_tokenizer()
+    if architecture in ENCODER_DECODER:
+        return _save_encoder_decoder(architecture, tokenizer)
     if architecture in VISION_LANGUAGE:
         config = _vision_language_config(architecture, tokenizer)
     else:

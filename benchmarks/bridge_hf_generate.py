@@ -7,6 +7,8 @@ passes it, not the way ``TransformerBridge.generate`` does. For each architectur
 generated greedily for 8 tokens with the cache and without it (``use_past_kv_cache=False`` and
 ``use_cache=False``: TransformerLens 4.3 leaves the model's own ``use_cache=True`` in force when
 only the first is given), first with safelens-tl active, then stock. Right means the same tokens.
+The encoder-decoder checkpoints (``bridge_architectures.ENCODER_DECODER``: T5, mT5, LongT5, BART,
+mBART, Pegasus, Blenderbot, M2M100) come last; their 8 tokens are the decoder's.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_hf_generate.py [--architectures A,B] [--json PATH]
 """
@@ -70,7 +72,7 @@ def verdict(patched: str, stock: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run every architecture asked for and print one table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    names = architectures.ALL_ARCHITECTURES
+    names = (*architectures.ALL_ARCHITECTURES, *architectures.ENCODER_DECODER)
     parser.add_argument(
         "--architectures",
         default=",".join(names),

@@ -167,7 +167,9 @@ def accepts_past_key_values(model_class: type) -> bool:
     return SHIM_OLD_NAME in _shim_old_names(forward)
 
 
-def _only_under_new_name(kwargs: dict[str, Any]) -> bool:
+def only_under_new_name(kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes the cache as ``cache`` only (none as ``past_key_values`` or
+    ``layer_past``)."""
     return NEW_NAME in kwargs and all(kwargs.get(name) is None for name in OLD_NAMES)
 
 
@@ -192,7 +194,7 @@ def reading_update_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _update_kv_cache(self: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         # Assigning into this call's own dict: the caller's arguments are unchanged.
-        if _only_under_new_name(kwargs):
+        if only_under_new_name(kwargs):
             kwargs["past_key_values"] = kwargs[NEW_NAME]
         elif maps_layer_past and kwargs.get("past_key_values") is None:
             kwargs["past_key_values"] = kwargs.get(LAYER_PAST)
@@ -210,7 +212,7 @@ def reading_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _only_under_new_name(kwargs):
+        if only_under_new_name(kwargs):
             kwargs["past_key_values"] = kwargs.pop(NEW_NAME)
         return original(self, *args, **kwargs)
 

@@ -6,7 +6,7 @@ is first imported, not at ``import transformer_lens``. Every patch is chosen by 
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
-:mod:`safelens_tl.bridge_gated_delta`,
+:mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_t5_block`,
 :mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
 """
 
@@ -27,6 +27,7 @@ from safelens_tl import (
     bridge_model_call,
     bridge_rotary_dtype,
     bridge_state_mask,
+    bridge_t5_block,
     targets,
 )
 from safelens_tl.hookspecs import hookimpl
@@ -138,6 +139,9 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     readers: list[tuple[type, str, _Wrapper]] = [
         (c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers
     ]
+    t5_block = bridge.t5_block_class
+    if t5_block is not None and bridge_t5_block.hands_sublayers_the_cache(t5_block):
+        readers.append((t5_block, "forward", bridge_t5_block.reading_block_forward))
     for owner, cached_path in bridge.state_cache_readers:
         if callable(getattr(owner, cached_path, None)):
             reader = functools.partial(bridge_cache.reading_state_forward, cached_path=cached_path)

@@ -99,6 +99,11 @@ CODEGEN_ATTENTION_BRIDGE_CLASS = (
 GATED_DELTA_NET_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.gated_delta_net.GatedDeltaNetBridge"
 )
+#: The block bridge of T5, mT5 and LongT5, whose own block forward takes the cache as
+#: ``past_key_values`` (see :mod:`safelens_tl.bridge_t5_block`).
+T5_BLOCK_BRIDGE_CLASS = (
+    "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge"
+)
 #: Architecture adapters whose ``create_stateful_cache`` imports a cache class later transformers
 #: removed (see :mod:`safelens_tl.bridge_hybrid_cache`). Not every release has each.
 STATEFUL_CACHE_ADAPTERS: tuple[str, ...] = (
@@ -153,7 +158,8 @@ _REMOTE_CODE = (
 )
 _ENCODER_DECODER = (
     "encoder-decoder block: TransformerBridge.generate recomputes the decoder without a KV cache, "
-    "so cached generation does not go through it (hf_generate on these models is not fixed)"
+    "so cached generation does not go through it (hf_generate on these models is not fixed; "
+    "T5BlockBridge is, see safelens_tl.bridge_t5_block)"
 )
 #: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
 #: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
@@ -167,9 +173,6 @@ UNPATCHED_CACHE_READERS: dict[str, str] = {
     ),
     "transformer_lens.model_bridge.supported_architectures.llada._LLaDAAttentionBridge": (
         _REMOTE_CODE
-    ),
-    "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge": (
-        _ENCODER_DECODER
     ),
     "transformer_lens.model_bridge.generalized_components.t5gemma_decoder_block."
     "T5GemmaDecoderBlockBridge": _ENCODER_DECODER,
@@ -210,6 +213,8 @@ class BridgeLayout:
     stateful_cache_adapters: tuple[type, ...] = ()
     #: :data:`GATED_DELTA_NET_BRIDGE_CLASS`, where this release has it.
     gated_delta_net_class: type | None = None
+    #: :data:`T5_BLOCK_BRIDGE_CLASS`, where this release has it.
+    t5_block_class: type | None = None
 
 
 def has_bridge() -> bool:
@@ -268,6 +273,7 @@ def locate_bridge() -> BridgeLayout:
             c for c in map(optional_class, STATEFUL_CACHE_ADAPTERS) if c is not None
         ),
         gated_delta_net_class=optional_class(GATED_DELTA_NET_BRIDGE_CLASS),
+        t5_block_class=optional_class(T5_BLOCK_BRIDGE_CLASS),
     )
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, targets
+from safelens_tl import bridge_cache, bridge_t5_block, targets
 from safelens_tl.verify import bridge, checks
 from tests.conftest import requires_bridge, subclasses
 
@@ -277,6 +277,7 @@ def test_every_cache_reader_of_the_release_is_patched_or_listed_with_a_reason() 
         *targets.STATE_CACHE_READERS,
         *targets.EAGER_SCAN_MIXERS,
         *targets.UNPATCHED_CACHE_READERS,
+        targets.T5_BLOCK_BRIDGE_CLASS,
     }
     missing = sorted(readers - covered)
     assert not missing, (
@@ -299,6 +300,9 @@ def test_every_patched_reader_of_the_release_is_patched_after_activation(
     expected += [(reader, "forward") for reader in layout.forward_cache_readers]
     expected += [(reader, "forward") for reader, _ in layout.state_cache_readers]
     expected += [(mixer, "forward") for mixer in layout.eager_scan_mixers]
+    t5_block = layout.t5_block_class
+    if t5_block is not None and bridge_t5_block.hands_sublayers_the_cache(t5_block):
+        expected.append((t5_block, "forward"))
     for owner, name in expected:
         assert f"{owner.__module__}.{owner.__qualname__}.{name}" in report.patched
     assert not report.failures, report.failures
@@ -307,6 +311,7 @@ def test_every_patched_reader_of_the_release_is_patched_after_activation(
 def test_deactivate_restores_every_bridge_attribute_exactly() -> None:
     layout = targets.locate_bridge()
     owners = [layout.bridge_class, layout.attention_class, *layout.forward_cache_readers]
+    owners += [layout.t5_block_class] if layout.t5_block_class is not None else []
     owners += [reader for reader, _ in layout.state_cache_readers]
     owners += [*layout.state_space_mixers, *layout.eager_scan_mixers]
     if layout.driver_class is not None:
