@@ -343,6 +343,11 @@ ENCODER_DECODER: dict[str, tuple[str, dict[str, Any]]] = {
     "PegasusForConditionalGeneration": ("PegasusConfig", {**_BART_LIKE, "init_std": 0.3}),
     "BlenderbotForConditionalGeneration": ("BlenderbotConfig", {**_BART_LIKE, "init_std": 0.3}),
     "M2M100ForConditionalGeneration": ("M2M100Config", {**_BART_LIKE, "init_std": 0.3}),
+    # Its encoder and decoder are Gemma 2 stacks with their own configs (filled in by build).
+    "T5GemmaForConditionalGeneration": (
+        "T5GemmaConfig",
+        {"encoder": {**COMMON, **_SLIDING}, "decoder": {**COMMON, **_SLIDING}},
+    ),
 }
 #: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
 WRONG = 0.1
@@ -466,13 +471,17 @@ def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
     import transformers
 
     config_name, settings = ENCODER_DECODER[architecture]
+    tokens = {
+        "vocab_size": models.vocab_size(),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    stacks = {
+        name: {**value, **tokens} for name, value in settings.items() if isinstance(value, dict)
+    }
     config = _config_class(config_name)(
-        vocab_size=models.vocab_size(),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        decoder_start_token_id=tokenizer.bos_token_id,
-        **settings,
+        **tokens, decoder_start_token_id=tokenizer.bos_token_id, **{**settings, **stacks}
     )
     config.architectures = [architecture]
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ generated greedily for 8 tokens with the cache and without it (``use_past_kv_cac
 ``use_cache=False``: TransformerLens 4.3 leaves the model's own ``use_cache=True`` in force when
 only the first is given), first with safelens-tl active, then stock. Right means the same tokens.
 The encoder-decoder checkpoints (``bridge_architectures.ENCODER_DECODER``: T5, mT5, LongT5, BART,
-mBART, Pegasus, Blenderbot, M2M100) come last; their 8 tokens are the decoder's.
+mBART, Pegasus, Blenderbot, M2M100, T5Gemma) come last; their 8 tokens are the decoder's.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_hf_generate.py [--architectures A,B] [--json PATH]
 """

@@ -158,8 +158,8 @@ _REMOTE_CODE = (
 )
 _ENCODER_DECODER = (
     "encoder-decoder block: TransformerBridge.generate recomputes the decoder without a KV cache, "
-    "so cached generation does not go through it (hf_generate on these models is not fixed; "
-    "T5BlockBridge is, see safelens_tl.bridge_t5_block)"
+    "so cached generation does not go through it; hf_generate hands the cache on through its "
+    "**kwargs and is right in stock too (benchmarks/bridge_hf_generate.py, T5Gemma)"
 )
 #: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
 #: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
