@@ -30,9 +30,10 @@ NEW_TOKENS = 8
 PROMPTS = list(checks.PROMPTS)[:2]
 
 
-def generate(model: Any, cached: bool) -> torch.Tensor:
-    """Greedy ``hf_generate`` of :data:`PROMPTS`, with or without the cache."""
-    tokens: torch.Tensor = model.hf_generate(
+def generate(model: Any, cached: bool, **options: Any) -> Any:
+    """Greedy ``hf_generate`` of :data:`PROMPTS`, with or without the cache: the tokens, or what
+    Hugging Face returns for ``options`` such as ``output_logits=True``."""
+    return model.hf_generate(
         PROMPTS,
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
@@ -40,8 +41,8 @@ def generate(model: Any, cached: bool) -> torch.Tensor:
         return_type="tokens",
         use_past_kv_cache=cached,
         use_cache=cached,
+        **options,
     )
-    return tokens
 
 
 def run(folder: str, active: bool) -> str:

@@ -50,7 +50,8 @@ SHIM_OLD_NAME = "past_key_values"
 OLD_STATE_NAME = "cache_params"
 
 
-def _parameters(function: Any) -> set[str]:
+def parameter_names(function: Any) -> set[str]:
+    """The parameter names of ``function``'s signature; empty where it has none to read."""
     try:
         return set(inspect.signature(function).parameters)
     except (TypeError, ValueError):
@@ -70,7 +71,7 @@ def _forward_parameters(dotted_class: str) -> set[str]:
     module_name, _, class_name = dotted_class.rpartition(".")
     module = sys.modules.get(module_name)
     if module is not None:
-        return _parameters(getattr(getattr(module, class_name, None), "forward", None))
+        return parameter_names(getattr(getattr(module, class_name, None), "forward", None))
     try:
         spec = util.find_spec(module_name)
     except (ImportError, ValueError):
@@ -132,7 +133,7 @@ def takes_cache_not_past_key_values(model_class: type) -> bool:
     """
     known = _takes_cache.get(model_class)
     if known is None:
-        parameters = _parameters(getattr(model_class, "forward", None))
+        parameters = parameter_names(getattr(model_class, "forward", None))
         known = NEW_NAME in parameters and SHIM_OLD_NAME not in parameters
         _takes_cache[model_class] = known
     return known
@@ -149,7 +150,7 @@ def takes_cache_only(model_class: type) -> bool:
     forward = getattr(model_class, "forward", None)
     known = _cache_only.get(forward)
     if known is None:
-        known = NEW_NAME in _parameters(forward) and not accepts_past_key_values(model_class)
+        known = NEW_NAME in parameter_names(forward) and not accepts_past_key_values(model_class)
         _cache_only[forward] = known
     return known
 
@@ -162,7 +163,7 @@ def accepts_past_key_values(model_class: type) -> bool:
     ``**kwargs`` and be ignored, and a cache passed that way is silently not used.
     """
     forward = getattr(model_class, "forward", None)
-    if SHIM_OLD_NAME in _parameters(forward):
+    if SHIM_OLD_NAME in parameter_names(forward):
         return True
     return SHIM_OLD_NAME in _shim_old_names(forward)
 

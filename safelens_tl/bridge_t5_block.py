@@ -46,10 +46,7 @@ def hides_the_old_name(forward: Any) -> bool:
     """Whether ``forward`` takes ``cache`` and its signature shows no ``past_key_values``."""
     known = _hides_old_name.get(forward)
     if known is None:
-        try:
-            parameters = inspect.signature(forward).parameters
-        except (TypeError, ValueError):
-            parameters = {}  # type: ignore[assignment]
+        parameters = bridge_cache.parameter_names(forward)
         known = NEW_NAME in parameters and OLD_NAME not in parameters
         _hides_old_name[forward] = known
     return known

@@ -21,22 +21,12 @@ ARCHITECTURES = (
     "MT5ForConditionalGeneration",
     "LongT5ForConditionalGeneration",
 )
-PROMPTS = ["the cat runs", "a big old dog sleeps in the quiet house"]
-NEW_TOKENS = 8
 
 
 def _generate(model: Any, cached: bool) -> Any:
-    return model.hf_generate(
-        PROMPTS,
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        stop_at_eos=False,
-        return_type="tokens",
-        use_cache=cached,
-        use_past_kv_cache=cached,
-        output_logits=True,
-    )
+    """The hf_generate sweep's generation, with every step's logits (and all of its steps)."""
+    sweep = benchmark_module("bridge_hf_generate")
+    return sweep.generate(model, cached, min_new_tokens=sweep.NEW_TOKENS, output_logits=True)
 
 
 def _cached_against_uncached(architecture: str) -> tuple[bool, float]:
