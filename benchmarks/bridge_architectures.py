@@ -124,6 +124,18 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_heads": 8, "state_size": 16, "n_groups": 1, "chunk_size": 16, "expand": 2},
     ),
     "FalconMambaForCausalLM": ("FalconMambaConfig", {"state_size": 16, "time_step_rank": 8}),
+    # RWKV-4: a recurrent state under its own names, no attention heads, no attention mask
+    # (TransformerBridge generates it one prompt at a time and recomputes without a cache).
+    "RwkvForCausalLM": (
+        "RwkvConfig",
+        {
+            **_NO_GQA,
+            "num_attention_heads": None,
+            "attention_hidden_size": 64,
+            "context_length": 512,
+            "max_position_embeddings": None,
+        },
+    ),
     "BambaForCausalLM": ("BambaConfig", {**_SSM2, "attn_layer_indices": [1]}),
     "FalconH1ForCausalLM": ("FalconH1Config", {**_SSM2, "mamba_d_ssm": 128}),
     "GraniteMoeHybridForCausalLM": (
@@ -343,12 +355,41 @@ ENCODER_DECODER: dict[str, tuple[str, dict[str, Any]]] = {
     "PegasusForConditionalGeneration": ("PegasusConfig", {**_BART_LIKE, "init_std": 0.3}),
     "BlenderbotForConditionalGeneration": ("BlenderbotConfig", {**_BART_LIKE, "init_std": 0.3}),
     "M2M100ForConditionalGeneration": ("M2M100Config", {**_BART_LIKE, "init_std": 0.3}),
+    "MarianMTModel": ("MarianConfig", {**_BART_LIKE, "init_std": 0.3}),
+    # Longformer's encoder: local attention windows of WINDOW positions on each side.
+    "LEDForConditionalGeneration": (
+        "LEDConfig",
+        {
+            **_BART_LIKE,
+            "init_std": 0.3,
+            "attention_window": [WINDOW, WINDOW],
+            "max_position_embeddings": None,
+            "max_encoder_position_embeddings": 64,
+            "max_decoder_position_embeddings": 64,
+        },
+    ),
+    # T5 with mixture-of-experts feed-forward layers (every other layer sparse).
+    "SwitchTransformersForConditionalGeneration": (
+        "SwitchTransformersConfig",
+        {
+            **_T5_LIKE,
+            "initializer_factor": 3.0,
+            "num_decoder_layers": 2,
+            "num_experts": 4,
+            "num_sparse_encoder_layers": 1,
+            "num_sparse_decoder_layers": 1,
+        },
+    ),
     # Its encoder and decoder are Gemma 2 stacks with their own configs (filled in by build).
     "T5GemmaForConditionalGeneration": (
         "T5GemmaConfig",
         {"encoder": {**COMMON, **_SLIDING}, "decoder": {**COMMON, **_SLIDING}},
     ),
 }
+#: Saved as ``pytorch_model.bin``: TransformerLens's Switch Transformers adapter loads with
+#: ``use_safetensors=False`` (the google/switch-base repositories ship that file only), so it
+#: cannot boot a folder of safetensors, which is all transformers 5 saves.
+PICKLED_WEIGHTS = frozenset({"SwitchTransformersForConditionalGeneration"})
 #: Relative error above which a cached generation counts as wrong (the cache ignored or lost).
 WRONG = 0.1
 
@@ -486,8 +527,12 @@ def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
     config.architectures = [architecture]
     torch.manual_seed(0)
     folder = models.scratch_folder(f"hf-{architecture}")
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
     with bridge.no_progress_bars():
-        transformers.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(folder)
+        model.save_pretrained(folder)
+    if architecture in PICKLED_WEIGHTS:
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -537,10 +582,7 @@ def run(
     try:
         with patched(active), quietly():
             model = boot(folder, dtype, conversion)
-            reference = bridge.reference_from(folder, dtype)
-            runs = [
-                bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()
-            ]
+            runs = bridge.run_batches(model, bridge.reference_from(folder, dtype))
     except Exception as error:  # a row saying why, not a crash
         return Outcome(error=last_line(error), dtype=name)
     stored = {diagnostics.dtype_name(r.cache_dtype) for r in runs if r.cache_dtype is not None}

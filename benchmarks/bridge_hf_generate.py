@@ -8,9 +8,17 @@ generated greedily for 8 tokens with the cache and without it (``use_past_kv_cac
 ``use_cache=False``: TransformerLens 4.3 leaves the model's own ``use_cache=True`` in force when
 only the first is given), first with safelens-tl active, then stock. Right means the same tokens.
 The encoder-decoder checkpoints (``bridge_architectures.ENCODER_DECODER``: T5, mT5, LongT5, BART,
-mBART, Pegasus, Blenderbot, M2M100, T5Gemma) come last; their 8 tokens are the decoder's.
+mBART, Pegasus, Blenderbot, Marian, LED, M2M100, Switch Transformers, T5Gemma) come last; their
+8 tokens are the decoder's.
+
+``--decoding`` picks Hugging Face's decoding strategy (:data:`DECODING`): greedy by default; beam
+search, which reorders the cache between steps; sampling under a fixed seed; prompt-lookup
+decoding, which feeds several candidate tokens in one cached step and crops the cache back where
+they are rejected (one prompt: Hugging Face's assisted generation takes one sequence; compared
+with greedy decoding without a cache, which it cannot run itself and whose tokens it keeps).
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_hf_generate.py [--architectures A,B] [--json PATH]
+        [--decoding greedy|beam|sample|lookup]
 """
 
 from __future__ import annotations
@@ -30,27 +38,48 @@ NEW_TOKENS = 8
 PROMPTS = list(checks.PROMPTS)[:2]
 
 
-def generate(model: Any, cached: bool, **options: Any) -> Any:
-    """Greedy ``hf_generate`` of :data:`PROMPTS`, with or without the cache: the tokens, or what
-    Hugging Face returns for ``options`` such as ``output_logits=True``."""
-    return model.hf_generate(
-        PROMPTS,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        stop_at_eos=False,
-        return_type="tokens",
-        use_past_kv_cache=cached,
-        use_cache=cached,
+#: Hugging Face decoding strategies (``--decoding``): options of ``hf_generate`` over greedy's.
+DECODING: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "beam": {"num_beams": 3},
+    "sample": {"do_sample": True, "top_k": 5},
+    "lookup": {"prompt_lookup_num_tokens": 3},
+}
+
+
+def generate(model: Any, cached: bool, prompts: list[str] = PROMPTS, **options: Any) -> Any:
+    """``hf_generate`` of ``prompts`` (greedy unless ``options`` say otherwise, seeded), with or
+    without the cache: the tokens, or what Hugging Face returns for ``options`` such as
+    ``output_logits=True``."""
+    arguments = {
+        "max_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "stop_at_eos": False,
+        "return_type": "tokens",
+        "use_past_kv_cache": cached,
+        "use_cache": cached,
         **options,
-    )
+    }
+    torch.manual_seed(0)
+    return model.hf_generate(prompts, **arguments)
 
 
-def run(folder: str, active: bool) -> str:
+def decode(model: Any, decoding: str, cached: bool) -> Any:
+    """The tokens of the strategy ``decoding`` of :data:`DECODING`, with or without the cache.
+    Prompt lookup takes one prompt, and without a cache it decodes greedily (see above)."""
+    options = dict(DECODING[decoding])
+    prompts = PROMPTS[1:] if "prompt_lookup_num_tokens" in options else PROMPTS
+    if not cached:
+        options.pop("prompt_lookup_num_tokens", None)
+    return generate(model, cached, prompts, **options)
+
+
+def run(folder: str, active: bool, decoding: str = "greedy") -> str:
     """``"right"``, how many generated tokens differ, or the error; stock when not ``active``."""
     try:
         with patched(active), architectures.quietly():
             model = architectures.boot(folder)
-            cached, uncached = generate(model, True), generate(model, False)
+            cached, uncached = decode(model, decoding, True), decode(model, decoding, False)
     except Exception as error:  # a row saying why, not a crash
         return f"fails: {architectures.last_line(error)}"
     if torch.equal(cached, uncached):
@@ -80,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated, from: " + ", ".join(names),
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--decoding", choices=list(DECODING), default="greedy")
     arguments = parser.parse_args(argv)
     chosen = [name.strip() for name in arguments.architectures.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in names]
     if unknown:
         parser.error(f"--architectures: unknown {unknown}; expected some of {list(names)}")
-    table = Table(title="TransformerBridge.hf_generate, cached against uncached, float32")
+    table = Table(
+        title=f"TransformerBridge.hf_generate, {arguments.decoding}, cached against uncached, "
+        "float32"
+    )
     for column in ("architecture", "patched", "stock", "verdict"):
         table.add_column(column)
     results: dict[str, dict[str, str]] = {}
@@ -99,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             results[architecture] = {"build_error": architectures.last_line(error)}
             table.add_row(architecture, results[architecture]["build_error"], "", "cannot build")
             continue
-        patched, stock = run(folder, True), run(folder, False)
+        patched = run(folder, True, arguments.decoding)
+        stock = run(folder, False, arguments.decoding)
         results[architecture] = {"patched": patched, "stock": stock}
         table.add_row(architecture, patched, stock, verdict(patched, stock))
         architectures.write_json(arguments.json, results)

@@ -190,7 +190,7 @@ def test_attention_that_reads_the_cache_in_its_own_forward_generates_right(
     assert reader is not None and any(isinstance(m, reader) for m in model.modules())
     reference = bridge.reference_from(folder, torch.float32)
     try:
-        runs = [bridge.run_batch(model, reference, prompts) for prompts in bridge.BATCHES.values()]
+        runs = bridge.run_batches(model, reference)
     except AttributeError as error:
         # Stock TransformerLens 3.x's GatedDeltaNet bridge, outside its cached path, reads a
         # Hugging Face attribute that transformers 5.24 removed: stock fails outright there.

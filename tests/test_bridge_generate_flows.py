@@ -135,6 +135,23 @@ def test_hugging_face_generate_through_the_bridge_uses_the_cache_right(model: An
     assert torch.equal(cached, hugging_face.generate(model, cached=False))
 
 
+@pytest.mark.parametrize("decoding", ["beam", "sample", "lookup"])
+def test_hugging_face_decoding_strategies_through_the_bridge_use_the_cache_right(
+    model: Any, decoding: str
+) -> None:
+    """Beam search (which reorders the cache between steps), seeded sampling and prompt-lookup
+    decoding (several candidate tokens in one cached step, the cache cropped back where they are
+    rejected) give the same tokens with the cache as without it (``bridge_hf_generate.decode``).
+    Stock fails each with transformers 5.24 on Llama: its cache is ignored."""
+    if not callable(getattr(model, "hf_generate", None)):
+        pytest.skip("this TransformerBridge has no hf_generate")
+    if decoding == "lookup" and getattr(model.original_model, "_is_stateful", False):
+        pytest.skip("Hugging Face refuses assisted generation for models with a state")
+    hugging_face = benchmark_module("bridge_hf_generate")
+    cached = hugging_face.decode(model, decoding, cached=True)
+    assert torch.equal(cached, hugging_face.decode(model, decoding, cached=False))
+
+
 #: Ways of calling ``generate`` beyond greedy decoding, each compared cached against uncached.
 #: TransformerLens returns the activations of one prompt only.
 OPTIONS: dict[str, dict[str, Any]] = {

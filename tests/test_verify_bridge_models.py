@@ -90,6 +90,38 @@ def test_a_state_space_checkpoint_folder_verifies_patched_and_fails_stock() -> N
     assert all("differ" in (check.error or "") for check in stock.checks)
 
 
+def test_a_state_without_attention_is_not_read_as_keys() -> None:
+    """RWKV's cache is its ``state``: five tensors over every layer, not (keys, values) per layer.
+    Read as a legacy tuple cache, a row of its first tensor passed for keys."""
+    folder = architecture_folder("RwkvForCausalLM")
+    reference = bridge.reference_from(folder, torch.float32)
+    with torch.inference_mode():
+        state = reference(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=True).state
+    assert bridge.first_cache_layer(state) is None
+    assert bridge.holds_recurrent_state(state)
+    assert bridge.expected_heads(reference.config) is None
+
+
+@requires_folder_bridge
+def test_a_checkpoint_without_attention_heads_verifies(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """``safelens-tl verify --model FOLDER`` on RWKV raised ``AttributeError: 'RwkvConfig' object
+    has no attribute 'num_attention_heads'`` before checking anything, then failed on the padded
+    batch, which TransformerBridge refuses for a model that takes no attention mask: it is now
+    checked on the prompt it can generate."""
+    folder = str(architecture_folder("RwkvForCausalLM"))
+    report = runner.verify_pretrained(folder, (torch.float32,))
+    assert report.passed, [check.error for check in report.checks]
+    (check,) = report.checks
+    assert check.cache_heads is None and check.expected_cache_heads is None
+    model = bridge.boot_folder(folder, torch.float32)
+    assert not bridge.generates_padded_batches(model)
+    assert [
+        run.batch for run in bridge.run_batches(model, bridge.reference_from(folder, torch.float32))
+    ] == [1]
+
+
 class _Run:
     def __init__(self, rel_err: float | None, error: str | None = None, batch: int = 2) -> None:
         self.hf_generate_rel_err, self.hf_generate_error, self.batch = rel_err, error, batch

@@ -246,7 +246,7 @@ class BridgeRun:
     cache_heads: int | None
     #: The config's count or as many as Hugging Face's own cache holds, whichever the bridge's
     #: cache matches (:func:`_heads_to_expect`).
-    expected_cache_heads: int
+    expected_cache_heads: int | None
     #: Some layers keep a recurrent state (:func:`holds_recurrent_state`).
     recurrent_state: bool = False
     #: The cache holds recurrent state only (no attention layer): nothing for the KV checks.
@@ -292,7 +292,9 @@ def first_cache_layer(cache: Any) -> torch.Tensor | None:
     elif getattr(cache, "key_cache", None) is not None:
         candidates = cache.key_cache
     else:
-        candidates = (entry[0] for entry in cache if len(entry))
+        # Legacy tuples hold a (keys, values) pair per layer; RWKV's state is a list of bare
+        # tensors, which hold no keys.
+        candidates = (entry[0] for entry in cache if isinstance(entry, (tuple, list)) and entry)
     for keys in candidates:
         if isinstance(keys, torch.Tensor) and keys.numel():
             return keys
@@ -307,13 +309,17 @@ def holds_recurrent_state(cache: Any) -> bool:
     layers = getattr(cache, "layers", None)
     if layers is not None:
         return any(not hasattr(layer, "keys") for layer in layers)
+    if isinstance(cache, (tuple, list)):
+        # RWKV's state: a list of tensors (each over every layer), not per-layer pairs.
+        return any(isinstance(entry, torch.Tensor) for entry in cache)
     # MambaCache of transformers releases before the unified cache layers.
     return hasattr(cache, "ssm_states")
 
 
-def expected_heads(config: Any) -> int:
+def expected_heads(config: Any) -> int | None:
     """Key/value heads a cache of this Hugging Face config stores, as the config counts them
-    (:func:`_heads_to_expect` also accepts Hugging Face's own count).
+    (:func:`_heads_to_expect` also accepts Hugging Face's own count); ``None`` for a config that
+    counts no attention heads (RWKV, whose cache is a recurrent state).
 
     A vision-language checkpoint (Gemma 3 from 4B up, Llava, Qwen-VL) keeps its language model's
     sizes in ``text_config``; ``get_text_config()`` finds them there and is the config itself
@@ -322,12 +328,14 @@ def expected_heads(config: Any) -> int:
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None)
-    return int(heads if heads is not None else text.num_attention_heads)
+    if heads is None:
+        heads = getattr(text, "num_attention_heads", None)
+    return None if heads is None else int(heads)
 
 
 def _cache_of(output: Any) -> Any:
     """The cache a Hugging Face model's output carries, under whichever name its release uses."""
-    for name in ("cache", "past_key_values", "cache_params"):
+    for name in ("cache", "past_key_values", "cache_params", "state"):
         found = getattr(output, name, None)
         if found is not None:
             return found
@@ -351,7 +359,7 @@ def hugging_face_cache_heads(
     return None if keys is None else int(keys.shape[1])
 
 
-def _heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | None) -> int:
+def _heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | None) -> int | None:
     """The key/value heads a correct cache of the bridge holds: the config's count, or as many as
     Hugging Face's own cache holds (``own_heads``), whichever the bridge's ``keys`` match, else
     Hugging Face's.
@@ -362,6 +370,8 @@ def _heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | No
     A cache that repeats grouped-query heads matches neither.
     """
     counted = expected_heads(config)
+    if counted is None:
+        return own_heads
     if own_heads is None or (keys is not None and int(keys.shape[1]) == counted):
         return counted
     return own_heads
@@ -528,10 +538,27 @@ def run_bridge(
 def run_folder(
     folder: str | Path, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
 ) -> list[BridgeRun]:
-    """Boot the checkpoint in ``folder`` and run every batch of :data:`BATCHES` on it."""
+    """Boot the checkpoint in ``folder`` and run :func:`run_batches` on it."""
     bridge = boot_folder(folder, dtype, device, conversion)
-    reference = reference_from(folder, dtype, device)
-    return [run_batch(bridge, reference, prompts) for prompts in BATCHES.values()]
+    return run_batches(bridge, reference_from(folder, dtype, device))
+
+
+def run_batches(bridge: Any, reference: Any) -> list[BridgeRun]:
+    """:func:`run_batch` for every batch of :data:`BATCHES` that ``bridge`` can generate (one
+    prompt only where it refuses a padded batch: :func:`generates_padded_batches`)."""
+    batched = generates_padded_batches(bridge)
+    return [
+        run_batch(bridge, reference, prompts)
+        for prompts in BATCHES.values()
+        if batched or len(prompts) == 1
+    ]
+
+
+def generates_padded_batches(bridge: Any) -> bool:
+    """Whether TransformerBridge generates a left-padded batch on this model. Its adapter says no
+    for models whose forward takes no attention mask (RWKV), and ``generate`` then refuses any
+    batch, rightly: padding would enter the recurrent state."""
+    return bool(getattr(bridge.adapter, "supports_batched_generation", True))
 
 
 def cache_argument_diagnosis() -> str | None:
