@@ -59,6 +59,22 @@ _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
 WINDOW = 4
 _WINDOW = {"sliding_window": WINDOW}
 _SLIDING = {**_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+#: Key-value sharing (Gemma 3n, Gemma 4 E2B/E4B): the last two of four layers compute no keys or
+#: values of their own and attend over those of the last earlier layer of their type, which the
+#: cache does not hold for them.
+_KV_SHARED = {
+    **_WINDOW,
+    "num_hidden_layers": 4,
+    "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+#: Gemma 3n's language model: key-value sharing, AltUp, per-layer inputs, sparse activations.
+_GEMMA_3N = {
+    **_KV_SHARED,
+    "hidden_size_per_layer_input": 8,
+    "laurel_rank": 4,
+    "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
+}
 #: Llama 4's chunked attention: chunks of :data:`WINDOW` positions.
 _CHUNKED = {
     **_EXPERTS,
@@ -294,7 +310,10 @@ _MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]
 #: vision tower the smallest sizes of :data:`TINY_VISION` its config has (never run: no image).
 VISION_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Gemma3ForConditionalGeneration": ("Gemma3Config", "Gemma3TextConfig", _WINDOW),
-    "Gemma4ForConditionalGeneration": ("Gemma4Config", "Gemma4TextConfig", _SLIDING),
+    # As Gemma 4 E2B and E4B are published: with key-value sharing.
+    "Gemma4ForConditionalGeneration": ("Gemma4Config", "Gemma4TextConfig", _KV_SHARED),
+    # Its vision tower comes from timm, which needs torchvision.
+    "Gemma3nForConditionalGeneration": ("Gemma3nConfig", "Gemma3nTextConfig", _GEMMA_3N),
     "Mistral3ForConditionalGeneration": ("Mistral3Config", "MistralConfig", _WINDOW),
     "Llama4ForConditionalGeneration": ("Llama4Config", "Llama4TextConfig", _CHUNKED),
     "LlavaForConditionalGeneration": ("LlavaConfig", "LlamaConfig", {}),
@@ -328,6 +347,19 @@ TINY_VISION: dict[str, Any] = {
     "out_hidden_size": 64,
     "image_size": 32,
     "patch_size": 8,
+}
+#: Towers :data:`TINY_VISION` cannot shrink: architecture -> sub-config -> its settings.
+TOWERS: dict[str, dict[str, dict[str, Any]]] = {
+    "Gemma3nForConditionalGeneration": {
+        "vision_config": {"architecture": "mobilenetv5_base"},  # timm's smallest MobileNet-V5
+        "audio_config": {
+            "hidden_size": 32,
+            "input_feat_size": 16,
+            "conf_num_hidden_layers": 1,
+            "conf_num_attention_heads": 2,
+            "sscp_conv_channel_size": [8, 8],
+        },
+    },
 }
 #: Every architecture the benchmark knows, in table order.
 ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE)
@@ -500,7 +532,10 @@ def _vision_language_config(architecture: str, tokenizer: Any) -> Any:
     known = default_vision.to_dict()
     vision = {key: value for key, value in TINY_VISION.items() if key in known}
     vision["model_type"] = default_vision.model_type
-    config = config_class(text_config=text.to_dict(), vision_config=vision)
+    towers = dict(TOWERS.get(architecture, {}))
+    vision.update(towers.pop("vision_config", {}))
+    others = {name: config_class.sub_configs[name](**value) for name, value in towers.items()}
+    config = config_class(text_config=text.to_dict(), vision_config=vision, **others)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, name, getattr(tokenizer, name))
     # The composite's own setting initializes the language model's weights in some releases.

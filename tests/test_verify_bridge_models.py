@@ -11,6 +11,7 @@ checkpoints, real verifier.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -160,8 +161,17 @@ def test_attention_models_keep_the_tolerance_of_their_dtype() -> None:
 
 
 #: Published as vision-language checkpoints, used for text: Gemma 3 from 4B up (Hugging Face's
-#: causal-LM class loads it) and Llava (only the image-text-to-text class does).
-VISION_LANGUAGE = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration")
+#: causal-LM class loads it), Llava (only the image-text-to-text class does), and Gemma 4 E2B/E4B
+#: and Gemma 3n, whose last layers share the keys and values of earlier ones (the sweep's
+#: checkpoints do, two of four layers). Gemma 3n's vision tower needs timm.
+VISION_LANGUAGE = (
+    "Gemma3ForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
+    "Gemma3nForConditionalGeneration",
+)
+NEEDS = {"Gemma3nForConditionalGeneration": "timm"}
+KV_SHARED_LAYERS = {"Gemma4ForConditionalGeneration": 2, "Gemma3nForConditionalGeneration": 2}
 
 
 @pytest.mark.parametrize("architecture", VISION_LANGUAGE)
@@ -172,7 +182,12 @@ def test_a_vision_language_checkpoint_generates_right_and_reports_its_heads(
     ``AttributeError: ... no attribute 'num_attention_heads'``) and loaded the reference with
     ``AutoModelForCausalLM`` (Llava: "Unrecognized configuration class"). Text only: the
     language model's two key/value heads are what the cache must hold."""
+    if architecture in NEEDS:
+        pytest.importorskip(NEEDS[architecture])
     folder = architecture_folder(architecture)
+    with open(folder / "config.json", encoding="utf-8") as handle:
+        text_config = json.load(handle)["text_config"]
+    assert text_config.get("num_kv_shared_layers", 0) == KV_SHARED_LAYERS.get(architecture, 0)
     safelens_tl.deactivate()
     try:
         bridge.boot_folder(folder, torch.float32)
