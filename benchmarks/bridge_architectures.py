@@ -361,8 +361,29 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
+#: Audio-text decoders (an audio encoder before a causal language model), generating text only,
+#: as :data:`VISION_LANGUAGE`; their audio towers take the sizes of :data:`TINY_AUDIO` they have.
+AUDIO_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "Qwen2AudioForConditionalGeneration": ("Qwen2AudioConfig", "Qwen2Config", {}),
+    "AudioFlamingo3ForConditionalGeneration": ("AudioFlamingo3Config", "Qwen2Config", {}),
+    "MusicFlamingoForConditionalGeneration": ("MusicFlamingoConfig", "Qwen2Config", {}),
+    "GlmAsrForConditionalGeneration": ("GlmAsrConfig", "LlamaConfig", {}),
+}
+#: The smallest audio towers (Whisper-style encoders under two sets of names).
+TINY_AUDIO: dict[str, Any] = {
+    "d_model": 32,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_mel_bins": 16,
+}
 #: Every architecture the benchmark knows, in table order.
-ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE)
+ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE, *AUDIO_LANGUAGE)
 _T5_LIKE = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 _BART_LIKE = {
     "d_model": 64,
@@ -520,22 +541,27 @@ def _language_config(config_name: str, settings: dict[str, Any], tokenizer: Any)
     )
 
 
-def _vision_language_config(architecture: str, tokenizer: Any) -> Any:
-    config_name, text_name, settings = VISION_LANGUAGE[architecture]
+def _multimodal_config(architecture: str, tokenizer: Any) -> Any:
+    if architecture in AUDIO_LANGUAGE:
+        config_name, text_name, settings = AUDIO_LANGUAGE[architecture]
+        tower, tiny = "audio_config", TINY_AUDIO
+    else:
+        config_name, text_name, settings = VISION_LANGUAGE[architecture]
+        tower, tiny = "vision_config", TINY_VISION
     config_class = _config_class(config_name)
     text = _language_config(text_name, settings, tokenizer)
-    # The default vision tower names its own type (CLIP, SigLIP, Pixtral, ...); keep the type,
-    # shrink what it has.
-    default_vision = config_class().vision_config
-    if default_vision is None:  # Gemma 4 has no tower by default: its own class's defaults
-        default_vision = config_class.sub_configs["vision_config"]()
-    known = default_vision.to_dict()
-    vision = {key: value for key, value in TINY_VISION.items() if key in known}
-    vision["model_type"] = default_vision.model_type
+    # The default tower names its own type (CLIP, SigLIP, Pixtral, Whisper-like, ...); keep the
+    # type, shrink what it has.
+    default_tower = getattr(config_class(), tower)
+    if default_tower is None:  # Gemma 4 has no tower by default: its own class's defaults
+        default_tower = config_class.sub_configs[tower]()
+    known = default_tower.to_dict()
+    shrunk = {key: value for key, value in tiny.items() if key in known}
+    shrunk["model_type"] = default_tower.model_type
     towers = dict(TOWERS.get(architecture, {}))
-    vision.update(towers.pop("vision_config", {}))
+    shrunk.update(towers.pop(tower, {}))
     others = {name: config_class.sub_configs[name](**value) for name, value in towers.items()}
-    config = config_class(text_config=text.to_dict(), vision_config=vision, **others)
+    config = config_class(text_config=text.to_dict(), **{tower: shrunk}, **others)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, name, getattr(tokenizer, name))
     # The composite's own setting initializes the language model's weights in some releases.
@@ -578,8 +604,8 @@ def build(architecture: str) -> str:
     tokenizer = models.load_tokenizer()
     if architecture in ENCODER_DECODER:
         return _save_encoder_decoder(architecture, tokenizer)
-    if architecture in VISION_LANGUAGE:
-        config = _vision_language_config(architecture, tokenizer)
+    if architecture in VISION_LANGUAGE or architecture in AUDIO_LANGUAGE:
+        config = _multimodal_config(architecture, tokenizer)
     else:
         config_name, settings = ARCHITECTURES[architecture]
         config = _language_config(config_name, settings, tokenizer)

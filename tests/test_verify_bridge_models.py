@@ -163,25 +163,29 @@ def test_attention_models_keep_the_tolerance_of_their_dtype() -> None:
 #: Published as vision-language checkpoints, used for text: Gemma 3 from 4B up (Hugging Face's
 #: causal-LM class loads it), Llava (only the image-text-to-text class does), and Gemma 4 E2B/E4B
 #: and Gemma 3n, whose last layers share the keys and values of earlier ones (the sweep's
-#: checkpoints do, two of four layers). Gemma 3n's vision tower needs timm.
-VISION_LANGUAGE = (
+#: checkpoints do, two of four layers). Gemma 3n's vision tower needs timm. Then the audio-text
+#: decoders (only the sequence-to-sequence class loads them, as TransformerLens does).
+MULTIMODAL = (
     "Gemma3ForConditionalGeneration",
     "LlavaForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
     "Gemma3nForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration",
+    "AudioFlamingo3ForConditionalGeneration",
+    "GlmAsrForConditionalGeneration",
 )
 NEEDS = {"Gemma3nForConditionalGeneration": "timm"}
 KV_SHARED_LAYERS = {"Gemma4ForConditionalGeneration": 2, "Gemma3nForConditionalGeneration": 2}
 
 
-@pytest.mark.parametrize("architecture", VISION_LANGUAGE)
-def test_a_vision_language_checkpoint_generates_right_and_reports_its_heads(
+@pytest.mark.parametrize("architecture", MULTIMODAL)
+def test_a_multimodal_checkpoint_generates_right_and_reports_its_heads(
     architecture: str, patched: safelens_tl.activation.Status
 ) -> None:
     """The verifier's bridge run read the heads from the top-level config (Gemma 3:
     ``AttributeError: ... no attribute 'num_attention_heads'``) and loaded the reference with
-    ``AutoModelForCausalLM`` (Llava: "Unrecognized configuration class"). Text only: the
-    language model's two key/value heads are what the cache must hold."""
+    ``AutoModelForCausalLM`` (Llava, Qwen2-Audio: "Unrecognized configuration class"). Text
+    only: the language model's two key/value heads are what the cache must hold."""
     if architecture in NEEDS:
         pytest.importorskip(NEEDS[architecture])
     folder = architecture_folder(architecture)
@@ -205,11 +209,15 @@ def test_a_vision_language_checkpoint_generates_right_and_reports_its_heads(
 
 
 @requires_folder_bridge
-def test_a_vision_language_checkpoint_folder_verifies(
-    patched: safelens_tl.activation.Status,
+@pytest.mark.parametrize(
+    "architecture", ["LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration"]
+)
+def test_a_multimodal_checkpoint_folder_verifies(
+    architecture: str, patched: safelens_tl.activation.Status
 ) -> None:
-    """``safelens-tl verify --model FOLDER`` on Llava, which failed before reaching a check."""
-    folder = str(architecture_folder("LlavaForConditionalGeneration"))
+    """``safelens-tl verify --model FOLDER`` on Llava and Qwen2-Audio, which failed before
+    reaching a check."""
+    folder = str(architecture_folder(architecture))
     report = runner.verify_pretrained(folder, (torch.float32,))
     assert report.passed, [check.error for check in report.checks]
     assert [check.cache_heads for check in report.checks] == [2]

@@ -113,19 +113,24 @@ def no_progress_bars() -> Iterator[None]:
 def auto_model_class(config: Any) -> Any:
     """The Auto class that builds a text-generating model of ``config``.
 
-    ``AutoModelForCausalLM`` for language models; ``AutoModelForImageTextToText`` for the
-    vision-language checkpoints it does not take (Llava, Mistral 3, Qwen-VL), which generate text
-    from text alone as well.
+    ``AutoModelForCausalLM`` for language models; for the multimodal checkpoints it does not
+    take, which generate text from text alone as well: ``AutoModelForImageTextToText`` for
+    vision-language ones (Llava, Mistral 3, Qwen-VL), and ``AutoModelForSeq2SeqLM`` for audio-text
+    decoders (Qwen2-Audio, Audio Flamingo 3, GLM-ASR), which is where transformers lists them and
+    how TransformerLens loads them, although they have no encoder-decoder stack.
     """
     import transformers
 
+    kind = type(config)
+    if kind in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM
     image_text: Any = getattr(transformers, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", None)
-    if (
-        type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
-        and image_text is not None
-        and type(config) in image_text
-    ):
+    if image_text is not None and kind in image_text:
         return transformers.AutoModelForImageTextToText
+    if not getattr(config, "is_encoder_decoder", False) and hasattr(config, "audio_config"):
+        seq2seq: Any = getattr(transformers, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", None)
+        if seq2seq is not None and kind in seq2seq:
+            return transformers.AutoModelForSeq2SeqLM
     return transformers.AutoModelForCausalLM
 
 
