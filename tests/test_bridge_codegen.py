@@ -45,7 +45,13 @@ def test_a_codegen_model_generates_right(
 @requires_bridge
 def test_stock_codegen_fails_in_bfloat16() -> None:
     """What the patch removes: with transformers 5.24 stock reads attributes Hugging Face's
-    CodeGen no longer has; with 5.23 it mixes float32 keys with bfloat16 values."""
+    CodeGen no longer has; with 5.23 it mixes float32 keys with bfloat16 values. (With 5.20,
+    what Python 3.10 gets, stock raises neither.)"""
+    import transformers
+
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < (5, 23):
+        pytest.skip(f"stock CodeGen runs in bfloat16 with transformers {transformers.__version__}")
     folder = architecture_folder(ARCHITECTURE)
     safelens_tl.deactivate()
     try:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import safelens_tl
+from safelens_tl import bridge_cache
 from safelens_tl.verify import bridge, runner
 from tests.conftest import HAS_HOOKED_TRANSFORMER, architecture_folder, requires_bridge
 
@@ -221,6 +222,41 @@ def test_a_multimodal_checkpoint_folder_verifies(
     report = runner.verify_pretrained(folder, (torch.float32,))
     assert report.passed, [check.error for check in report.checks]
     assert [check.cache_heads for check in report.checks] == [2]
+
+
+@requires_folder_bridge
+@pytest.mark.parametrize(
+    "architecture", ["T5ForConditionalGeneration", "BartForConditionalGeneration"]
+)
+def test_an_encoder_decoder_checkpoint_folder_verifies_through_hf_generate(
+    architecture: str, patched: safelens_tl.activation.Status
+) -> None:
+    """``safelens-tl verify --model FOLDER`` on T5 and BART failed every check ("Unrecognized
+    configuration class ... AutoModelForCausalLM"). Only ``hf_generate`` caches their decoder,
+    so that is what is checked: against the bridge's uncached forward in every dtype, against
+    Hugging Face's own in float32 only (``bridge_seq2seq``: in half precision it is reported)."""
+    folder = str(architecture_folder(architecture))
+    report = runner.verify_pretrained(folder, (torch.float32, torch.bfloat16))
+    assert report.passed, [check.error for check in report.checks]
+    full, half = report.checks
+    assert (full.kind, full.architecture) == ("bridge", architecture)
+    assert full.reference_tolerance is not None and half.reference_tolerance is None
+    assert half.reference_rel_err is not None
+    for check in report.checks:
+        assert check.cache_heads == check.expected_cache_heads == 4
+        assert check.greedy_agreement == 1.0
+
+
+@requires_folder_bridge
+def test_stock_fails_the_encoder_decoder_check_where_t5_loses_its_cache() -> None:
+    """The check can fail: stock TransformerLens 4.3's T5 block drops the cache transformers
+    5.24 passes as ``cache``, so every cached decoding step attends to itself alone."""
+    if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
+        pytest.skip("this transformers passes the cache as past_key_values: stock is right")
+    folder = str(architecture_folder("T5ForConditionalGeneration"))
+    report = runner.verify_pretrained(folder, (torch.float32,))
+    (check,) = report.checks
+    assert not check.passed and check.max_rel_err is not None and check.max_rel_err > 0.1
 
 
 @requires_folder_bridge

@@ -117,20 +117,23 @@ def auto_model_class(config: Any) -> Any:
     take, which generate text from text alone as well: ``AutoModelForImageTextToText`` for
     vision-language ones (Llava, Mistral 3, Qwen-VL), and ``AutoModelForSeq2SeqLM`` for audio-text
     decoders (Qwen2-Audio, Audio Flamingo 3, GLM-ASR), which is where transformers lists them and
-    how TransformerLens loads them, although they have no encoder-decoder stack.
+    how TransformerLens loads them, although they have no encoder-decoder stack. Encoder-decoder
+    models (T5, BART, ...) take ``AutoModelForSeq2SeqLM`` too.
     """
     import transformers
 
     kind = type(config)
+    seq2seq: Any = getattr(transformers, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", {})
+    # First: BART's config is in the causal-LM mapping too, for its decoder alone.
+    if getattr(config, "is_encoder_decoder", False) and kind in seq2seq:
+        return transformers.AutoModelForSeq2SeqLM
     if kind in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         return transformers.AutoModelForCausalLM
-    image_text: Any = getattr(transformers, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", None)
-    if image_text is not None and kind in image_text:
+    image_text: Any = getattr(transformers, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", {})
+    if kind in image_text:
         return transformers.AutoModelForImageTextToText
-    if not getattr(config, "is_encoder_decoder", False) and hasattr(config, "audio_config"):
-        seq2seq: Any = getattr(transformers, "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", None)
-        if seq2seq is not None and kind in seq2seq:
-            return transformers.AutoModelForSeq2SeqLM
+    if hasattr(config, "audio_config") and kind in seq2seq:
+        return transformers.AutoModelForSeq2SeqLM
     return transformers.AutoModelForCausalLM
 
 
@@ -250,7 +253,7 @@ class BridgeRun:
     cache_device: torch.device | None
     cache_heads: int | None
     #: The config's count or as many as Hugging Face's own cache holds, whichever the bridge's
-    #: cache matches (:func:`_heads_to_expect`).
+    #: cache matches (:func:`heads_to_expect`).
     expected_cache_heads: int | None
     #: Some layers keep a recurrent state (:func:`holds_recurrent_state`).
     recurrent_state: bool = False
@@ -265,6 +268,9 @@ class BridgeRun:
     hf_generate_rel_err: float | None = None
     #: Why ``hf_generate`` could not run, where it raised.
     hf_generate_error: str | None = None
+    #: Whether ``reference_rel_err`` is held to a bound (not for encoder-decoder models in half
+    #: precision: :mod:`safelens_tl.verify.bridge_seq2seq`).
+    reference_held: bool = True
 
     @property
     def agreement(self) -> float:
@@ -323,7 +329,7 @@ def holds_recurrent_state(cache: Any) -> bool:
 
 def expected_heads(config: Any) -> int | None:
     """Key/value heads a cache of this Hugging Face config stores, as the config counts them
-    (:func:`_heads_to_expect` also accepts Hugging Face's own count); ``None`` for a config that
+    (:func:`heads_to_expect` also accepts Hugging Face's own count); ``None`` for a config that
     counts no attention heads (RWKV, whose cache is a recurrent state).
 
     A vision-language checkpoint (Gemma 3 from 4B up, Llava, Qwen-VL) keeps its language model's
@@ -338,7 +344,7 @@ def expected_heads(config: Any) -> int | None:
     return None if heads is None else int(heads)
 
 
-def _cache_of(output: Any) -> Any:
+def cache_of(output: Any) -> Any:
     """The cache a Hugging Face model's output carries, under whichever name its release uses."""
     for name in ("cache", "past_key_values", "cache_params", "state"):
         found = getattr(output, name, None)
@@ -360,11 +366,11 @@ def hugging_face_cache_heads(
             position_ids=_positions(prompt_mask),
             use_cache=True,
         )
-    keys = first_cache_layer(_cache_of(output))
+    keys = first_cache_layer(cache_of(output))
     return None if keys is None else int(keys.shape[1])
 
 
-def _heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | None) -> int | None:
+def heads_to_expect(config: Any, own_heads: int | None, keys: torch.Tensor | None) -> int | None:
     """The key/value heads a correct cache of the bridge holds: the config's count, or as many as
     Hugging Face's own cache holds (``own_heads``), whichever the bridge's ``keys`` match, else
     Hugging Face's.
@@ -428,7 +434,7 @@ def run_batch(
             position_ids=positions[:, :-new_tokens],
             use_cache=True,
         )
-    cache = _cache_of(prompt_output)
+    cache = cache_of(prompt_output)
     keys = first_cache_layer(cache)
     recurrent = holds_recurrent_state(cache)
     prompt_ids, prompt_mask = sequences[:, :-new_tokens], mask[:, :-new_tokens]
@@ -455,8 +461,8 @@ def run_batch(
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
-        max_rel_err=_relative_error(step_logits, own[:, -new_tokens - 1 : -1]),
-        reference_rel_err=_relative_error(step_logits, full[:, -new_tokens - 1 : -1]),
+        max_rel_err=relative_error(step_logits, own[:, -new_tokens - 1 : -1]),
+        reference_rel_err=relative_error(step_logits, full[:, -new_tokens - 1 : -1]),
         cached_tokens=sequences[:, -new_tokens:].cpu(),
         uncached_tokens=uncached_tokens.cpu(),
         seconds_cached=middle - start,
@@ -464,7 +470,7 @@ def run_batch(
         cache_dtype=None if keys is None else keys.dtype,
         cache_device=None if keys is None else keys.device,
         cache_heads=None if keys is None else int(keys.shape[1]),
-        expected_cache_heads=_heads_to_expect(reference.config, own_heads, keys),
+        expected_cache_heads=heads_to_expect(reference.config, own_heads, keys),
         recurrent_state=recurrent,
         state_only=recurrent and keys is None,
         hugging_face_cached_rel_err=own_rounding,
@@ -496,7 +502,7 @@ def hf_generate_against_uncached(
     mask, positions = mask_and_positions(bridge, sequences)
     with torch.inference_mode():
         own = bridge(sequences, attention_mask=mask, position_ids=positions, return_type="logits")
-    return _relative_error(torch.stack(list(output.logits), dim=1), own[:, -new_tokens - 1 : -1])
+    return relative_error(torch.stack(list(output.logits), dim=1), own[:, -new_tokens - 1 : -1])
 
 
 def hugging_face_cached_error(
@@ -524,10 +530,12 @@ def hugging_face_cached_error(
         full = reference(
             input_ids=output.sequences, attention_mask=mask, position_ids=positions
         ).logits
-    return _relative_error(torch.stack(list(output.logits), dim=1), full[:, -new_tokens - 1 : -1])
+    return relative_error(torch.stack(list(output.logits), dim=1), full[:, -new_tokens - 1 : -1])
 
 
-def _relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
+def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference of ``logits`` from ``expected``, relative to the largest
+    ``expected`` logit (in float32)."""
     expected = expected.float()
     difference = (logits.float().to(expected.device) - expected).abs().max()
     return float(difference / expected.abs().max().clamp_min(1e-6))
@@ -550,10 +558,17 @@ def run_folder(
 
 def run_batches(bridge: Any, reference: Any) -> list[BridgeRun]:
     """:func:`run_batch` for every batch of :data:`BATCHES` that ``bridge`` can generate (one
-    prompt only where it refuses a padded batch: :func:`generates_padded_batches`)."""
+    prompt only where it refuses a padded batch: :func:`generates_padded_batches`); for an
+    encoder-decoder checkpoint, :func:`safelens_tl.verify.bridge_seq2seq.run_batch`."""
+    run = run_batch
+    if getattr(reference.config, "is_encoder_decoder", False):
+        # Imported here: that module builds on this one's helpers.
+        from safelens_tl.verify import bridge_seq2seq
+
+        run = bridge_seq2seq.run_batch
     batched = generates_padded_batches(bridge)
     return [
-        run_batch(bridge, reference, prompts)
+        run(bridge, reference, prompts)
         for prompts in BATCHES.values()
         if batched or len(prompts) == 1
     ]

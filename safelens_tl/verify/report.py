@@ -31,7 +31,8 @@ class CheckResult:
     passed: bool = False
     max_rel_err: float | None = None
     tolerance: float | None = None
-    #: TransformerBridge rows: the error against an independent Hugging Face forward, and its bound.
+    #: TransformerBridge rows: the error against an independent Hugging Face forward, and its bound
+    #: (``None``: reported, not held; encoder-decoder models in half precision).
     reference_rel_err: float | None = None
     reference_tolerance: float | None = None
     #: TransformerBridge rows: Hugging Face's own cached generate against its uncached forward. For
