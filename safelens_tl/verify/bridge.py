@@ -1,5 +1,8 @@
 """Cached generation through ``TransformerBridge``, checked against Hugging Face's own forward.
 
+(Encoder-decoder checkpoints are checked through ``hf_generate`` instead:
+:mod:`safelens_tl.verify.bridge_seq2seq`.)
+
 Two tiny Hugging Face models with random weights, a Llama with grouped-query attention and rotary
 positions and a GPT-2, are saved once per process with the in-process tokenizer to a temporary
 folder and booted from there with ``TransformerBridge.boot_transformers`` (nothing is downloaded).
@@ -12,7 +15,8 @@ positions derived from it):
   by rounding only, and the tight :data:`~safelens_tl.verify.checks.TOLERANCES` apply (a cache
   1% off fails them);
 - an independent reference, the same checkpoint loaded with ``AutoModelForCausalLM`` (or
-  ``AutoModelForImageTextToText`` for a vision-language checkpoint; no TransformerLens at all):
+  ``AutoModelForImageTextToText`` for a vision-language checkpoint, ``AutoModelForSeq2SeqLM`` for
+  an audio-text one: :func:`auto_model_class`; no TransformerLens at all):
   other kernels, so in half precision it differs by more, and
   :data:`REFERENCE_TOLERANCES` apply. It catches what the bridge itself gets wrong.
 """
