@@ -77,6 +77,10 @@ HOOKED_MOE_CLASS = "transformer_lens.components.mlps.moe.MoE"
 #: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
 #: lazily (about 2 s), so its patches wait for that import instead of forcing it.
 BRIDGE_MODULE = "transformer_lens.model_bridge"
+#: Where TransformerBridge lists the Hugging Face architectures it boots (3.x and 4.x).
+BRIDGE_ARCHITECTURES = (
+    "transformer_lens.factories.architecture_adapter_factory.SUPPORTED_ARCHITECTURES"
+)
 BRIDGE_CLASS = "transformer_lens.model_bridge.TransformerBridge"
 #: The attention bridges' common base; its ``_update_kv_cache`` reads the KV cache argument.
 ATTENTION_BRIDGE_CLASS = (
@@ -225,6 +229,19 @@ def has_bridge() -> bool:
         return util.find_spec(BRIDGE_MODULE) is not None
     except (ImportError, ValueError):
         return False
+
+
+def bridge_architectures() -> frozenset[str]:
+    """The Hugging Face architectures this TransformerBridge boots (empty without a bridge)."""
+    if not has_bridge():
+        return frozenset()
+    try:
+        supported = _import_object(BRIDGE_ARCHITECTURES)
+    except (ImportError, AttributeError):
+        return frozenset()
+    return (
+        frozenset(str(name) for name in supported) if isinstance(supported, dict) else frozenset()
+    )
 
 
 def optional_class(dotted: str) -> type | None:

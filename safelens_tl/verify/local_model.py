@@ -15,7 +15,9 @@ copy of ``config.json`` in a temporary folder of a neutral name. Gemma's configu
 TransformerLens only per official name, so Gemma checkpoints are refused with the way to load them.
 
 On TransformerLens 4.x a folder or a name boots through ``TransformerBridge.boot_transformers``
-(:mod:`safelens_tl.verify.bridge`), which supports far more architectures.
+(:mod:`safelens_tl.verify.bridge`), which supports far more architectures; so does, on 3.x, a
+folder ``HookedTransformer`` does not take (:func:`hooked_transformer_takes`) but TransformerBridge
+boots (vision-language, audio-text and encoder-decoder checkpoints, Gemma).
 """
 
 from __future__ import annotations
@@ -42,6 +44,28 @@ NAMED_ONLY_ARCHITECTURES = (
 )
 #: How the class names of causal language models end (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+#: And those of every model that generates text (vision-language, audio-text, encoder-decoder:
+#: ``LlavaForConditionalGeneration``, ``T5ForConditionalGeneration``, ``MarianMTModel``), not of
+#: the masked language models, classifiers and encoders TransformerBridge also boots.
+TEXT_GENERATOR_SUFFIXES = (*CAUSAL_LM_SUFFIXES, "ForConditionalGeneration", "MTModel")
+
+
+def hooked_transformer_takes(architecture: str) -> bool:
+    """Whether TransformerLens's own loader may turn a folder of ``architecture`` into a
+    ``HookedTransformer``: a causal language model whose configuration it reads from the folder
+    (not Gemma's, which it has per official name only)."""
+    return (
+        architecture.endswith(CAUSAL_LM_SUFFIXES) and architecture not in NAMED_ONLY_ARCHITECTURES
+    )
+
+
+def architecture_of(source: str) -> str | None:
+    """The first architecture the folder's ``config.json`` names; ``None`` when unreadable."""
+    try:
+        architectures = read_config(source).get("architectures") or [None]
+    except UnsupportedCheckpointError:
+        return None
+    return None if architectures[0] is None else str(architectures[0])
 
 
 class UnsupportedCheckpointError(ValueError):

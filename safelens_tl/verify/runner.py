@@ -238,6 +238,24 @@ def _split(devices: Sequence[str]) -> bool:
     return wanted and torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
+def _bridge_only_folder(name: str) -> bool:
+    """A checkpoint folder of a text generator ``HookedTransformer`` does not take but this
+    TransformerBridge boots: on TransformerLens 3.x, which has both, checked through the bridge
+    rather than refused. (Masked language models and classifiers are refused as before.)"""
+    from safelens_tl import targets
+    from safelens_tl.verify import local_model
+
+    if not local_model.is_checkpoint_folder(name):
+        return False
+    architecture = local_model.architecture_of(name)
+    return (
+        architecture is not None
+        and architecture.endswith(local_model.TEXT_GENERATOR_SUFFIXES)
+        and not local_model.hooked_transformer_takes(architecture)
+        and architecture in targets.bridge_architectures()
+    )
+
+
 def _has_hooked_transformer() -> bool:
     from safelens_tl import targets
 
@@ -569,16 +587,17 @@ def verify_pretrained(
     each dtype on each device.
 
     With a ``HookedTransformer`` (TransformerLens 2.x/3.x) it is loaded once and converted to
-    each dtype. Without one (4.x) it boots through TransformerBridge in each dtype, from the folder
-    or, for a name, from Hugging Face (its cache when offline). Raises :class:`ModelLoadError`
-    when the model cannot be loaded.
+    each dtype. Without one (4.x), or for a folder it does not take but TransformerBridge boots
+    (3.x: :func:`_bridge_only_folder`), it boots through TransformerBridge in each dtype, from the
+    folder or, for a name, from Hugging Face (its cache when offline). Raises
+    :class:`ModelLoadError` when the model cannot be loaded.
     """
     from safelens_tl import targets
     from safelens_tl.verify import local_model
 
     start = time.perf_counter()
     devices = list(devices) if devices is not None else default_devices()
-    if not _has_hooked_transformer() and targets.has_bridge():
+    if targets.has_bridge() and (not _has_hooked_transformer() or _bridge_only_folder(name)):
         if local_model.is_checkpoint_folder(name):
             label = Path(name).name or name
         else:
