@@ -3,8 +3,7 @@
 For each architecture a tiny checkpoint with random weights is built from its transformers config
 (two layers, nothing downloaded; vision-language and audio-text checkpoints get a one-layer
 tower and are given text only; local attention spans :data:`WINDOW` positions, so generation goes
-past it) and
-booted with ``TransformerBridge.boot_transformers`` and the tiny tokenizer. Greedy
+past it) and booted with ``TransformerBridge.boot_transformers`` and the tiny tokenizer. Greedy
 generation of 8 tokens from one prompt and from two left-padded prompts, cached, is compared with
 the bridge's own uncached forward over the generated sequence (largest logit difference relative
 to the largest logit), first with safelens-tl active, then stock. A cache that is ignored, or

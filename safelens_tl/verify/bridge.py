@@ -483,6 +483,23 @@ def run_batch(
     )
 
 
+def greedy_hf_generate(
+    bridge: Any, prompts: Sequence[str], new_tokens: int, cached: bool = True
+) -> Any:
+    """``bridge.hf_generate`` of ``prompts``: greedy, exactly ``new_tokens`` tokens, with or
+    without the cache; Hugging Face's output with the logits of every step."""
+    return bridge.hf_generate(
+        list(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # an early end would leave fewer steps to compare
+        do_sample=False,
+        stop_at_eos=False,
+        return_type="tokens",
+        use_cache=cached,
+        output_logits=True,
+    )
+
+
 def hf_generate_against_uncached(
     bridge: Any, prompts: Sequence[str], new_tokens: int
 ) -> float | None:
@@ -492,16 +509,7 @@ def hf_generate_against_uncached(
     way; ``None`` where this TransformerLens has no ``hf_generate``."""
     if not callable(getattr(bridge, "hf_generate", None)):
         return None
-    output = bridge.hf_generate(
-        list(prompts),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # an early end would leave fewer steps to compare
-        do_sample=False,
-        stop_at_eos=False,
-        return_type="tokens",
-        use_cache=True,
-        output_logits=True,
-    )
+    output = greedy_hf_generate(bridge, prompts, new_tokens)
     sequences = output.sequences
     mask, positions = mask_and_positions(bridge, sequences)
     with torch.inference_mode():

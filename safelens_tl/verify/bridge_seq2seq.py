@@ -31,31 +31,11 @@ import torch
 from safelens_tl.verify import bridge as decoder_only
 
 
-def _hf_generate(bridge: Any, prompts: Sequence[str], new_tokens: int, cached: bool) -> Any:
-    return bridge.hf_generate(
-        list(prompts),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # an early end would leave fewer steps to compare
-        do_sample=False,
-        stop_at_eos=False,
-        return_type="tokens",
-        use_cache=cached,
-        output_logits=True,
-    )
-
-
-def _decoder_logits(model: Any, encoded: Any, decoder_ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        logits: torch.Tensor = model(
-            input_ids=encoded["input_ids"],
-            attention_mask=encoded["attention_mask"],
-            decoder_input_ids=decoder_ids,
-        ).logits
-    return logits
-
-
-def _self_attention_keys(model: Any, encoded: Any, decoder_ids: torch.Tensor) -> Any:
-    """Keys of the first decoder self-attention layer the model caches over ``decoder_ids``."""
+def _decoder_forward(
+    model: Any, encoded: Any, decoder_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One uncached forward over ``decoder_ids``: its logits, and the keys of the first decoder
+    self-attention layer it caches (``None`` where none holds keys)."""
     with torch.inference_mode():
         output = model(
             input_ids=encoded["input_ids"],
@@ -65,7 +45,8 @@ def _self_attention_keys(model: Any, encoded: Any, decoder_ids: torch.Tensor) ->
         )
     cache = decoder_only.cache_of(output)
     # An EncoderDecoderCache holds the cross-attention's keys too, which never change.
-    return decoder_only.first_cache_layer(getattr(cache, "self_attention_cache", cache))
+    keys = decoder_only.first_cache_layer(getattr(cache, "self_attention_cache", cache))
+    return output.logits, keys
 
 
 def hugging_face_cached_error(reference: Any, encoded: Any, new_tokens: int) -> float:
@@ -81,7 +62,7 @@ def hugging_face_cached_error(reference: Any, encoded: Any, new_tokens: int) -> 
             output_logits=True,
             return_dict_in_generate=True,
         )
-    full = _decoder_logits(reference, encoded, output.sequences[:, :-1])
+    full, _ = _decoder_forward(reference, encoded, output.sequences[:, :-1])
     return decoder_only.relative_error(torch.stack(list(output.logits), dim=1), full)
 
 
@@ -95,18 +76,16 @@ def run_batch(
     device = next(reference.parameters()).device
     encoded = bridge.tokenizer(list(prompts), return_tensors="pt", padding=True).to(device)
     start = time.perf_counter()
-    cached = _hf_generate(bridge, prompts, new_tokens, cached=True)
+    cached = decoder_only.greedy_hf_generate(bridge, prompts, new_tokens, cached=True)
     middle = time.perf_counter()
-    uncached = _hf_generate(bridge, prompts, new_tokens, cached=False)
+    uncached = decoder_only.greedy_hf_generate(bridge, prompts, new_tokens, cached=False)
     end = time.perf_counter()
     # The decoder's start token, then one token per step: each step's logits predict the next.
     sequences = cached.sequences.to(device)
     step_logits = torch.stack(list(cached.logits), dim=1)
-    own = _decoder_logits(bridge.original_model, encoded, sequences[:, :-1])
-    full = _decoder_logits(reference, encoded, sequences[:, :-1])
-    keys = _self_attention_keys(bridge.original_model, encoded, sequences[:, :-1])
-    own_heads_keys = _self_attention_keys(reference, encoded, sequences[:, :-1])
-    own_heads = None if own_heads_keys is None else int(own_heads_keys.shape[1])
+    own, keys = _decoder_forward(bridge.original_model, encoded, sequences[:, :-1])
+    full, own_keys = _decoder_forward(reference, encoded, sequences[:, :-1])
+    own_heads = None if own_keys is None else int(own_keys.shape[1])
     return decoder_only.BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
