@@ -7,7 +7,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_t5_block`,
-:mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
+:mod:`safelens_tl.bridge_t5_legacy_block`, :mod:`safelens_tl.bridge_attention_mask` and
+:mod:`safelens_tl.bridge_state_mask`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from safelens_tl import (
     bridge_rotary_dtype,
     bridge_state_mask,
     bridge_t5_block,
+    bridge_t5_legacy_block,
     targets,
 )
 from safelens_tl.hookspecs import hookimpl
@@ -134,12 +136,21 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             "it cannot be taught the `cache` argument of this transformers, nor `layer_past`, so "
             "its cached generation may ignore the cache",
         )
+    t5_block = bridge.t5_block_class
+    if t5_block is not None and bridge_t5_legacy_block.builds_a_legacy_forward(t5_block):
+        # Whatever transformers 5 calls the cache, this block forward never hands it on.
+        yield _own_method_patch(
+            t5_block,
+            "forward",
+            bridge_t5_legacy_block.handing_sublayers_the_cache,
+            "transformers compatibility",
+            "its T5-family decoders may ignore the cache, or fail, with transformers 5",
+        )
     if not renamed:
         return  # transformers passes past_key_values, which TransformerLens reads: nothing to fix
     readers: list[tuple[type, str, _Wrapper]] = [
         (c, "forward", bridge_cache.reading_forward) for c in bridge.forward_cache_readers
     ]
-    t5_block = bridge.t5_block_class
     if t5_block is not None and bridge_t5_block.hands_sublayers_the_cache(t5_block):
         readers.append((t5_block, "forward", bridge_t5_block.reading_block_forward))
     for owner, cached_path in bridge.state_cache_readers:

@@ -86,7 +86,8 @@ def _code_objects(code: Any) -> list[Any]:
 def hands_sublayers_the_cache(block_bridge: type) -> bool:
     """Whether ``T5BlockBridge`` builds a block forward that takes ``past_key_values`` and hands
     it on (TransformerLens 4.x). TransformerLens 3.x's takes transformers 4's ``past_key_value``
-    tuples and hands transformers 5's sublayers no cache with any transformers 5: not fixed here."""
+    tuples and hands transformers 5's sublayers no cache with any transformers 5
+    (:mod:`safelens_tl.bridge_t5_legacy_block`)."""
     builder = getattr(block_bridge, "_patch_t5_block_forward", None)
     code = getattr(builder, "__code__", None)
     if code is None:

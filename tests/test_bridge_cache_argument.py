@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, bridge_t5_block, targets
+from safelens_tl import bridge_cache, bridge_t5_block, bridge_t5_legacy_block, targets
 from safelens_tl.verify import bridge, checks
 from tests.conftest import requires_bridge, subclasses
 
@@ -307,7 +307,10 @@ def test_every_patched_reader_of_the_release_is_patched_after_activation(
     expected += [(reader, "forward") for reader, _ in layout.state_cache_readers]
     expected += [(mixer, "forward") for mixer in layout.eager_scan_mixers]
     t5_block = layout.t5_block_class
-    if t5_block is not None and bridge_t5_block.hands_sublayers_the_cache(t5_block):
+    if t5_block is not None and (
+        bridge_t5_block.hands_sublayers_the_cache(t5_block)
+        or bridge_t5_legacy_block.builds_a_legacy_forward(t5_block)
+    ):
         expected.append((t5_block, "forward"))
     for owner, name in expected:
         assert f"{owner.__module__}.{owner.__qualname__}.{name}" in report.patched

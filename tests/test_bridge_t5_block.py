@@ -1,19 +1,22 @@
 """T5, mT5 and LongT5 generate right through ``TransformerBridge.hf_generate`` where transformers
-passes the cache as ``cache`` (5.24 on: :mod:`safelens_tl.bridge_t5_block`). Real bridges on tiny
-random encoder-decoder checkpoints; the same generation without the cache is the reference.
+passes the cache as ``cache`` (5.24 on: :mod:`safelens_tl.bridge_t5_block`), and through
+TransformerLens 3.x's T5 block, written for transformers 4, with any transformers 5
+(:mod:`safelens_tl.bridge_t5_legacy_block`). Real bridges on tiny random encoder-decoder
+checkpoints; the same generation without the cache is the reference.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 from typing import Any
 
 import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, bridge_t5_block, targets
+from safelens_tl import bridge_cache, bridge_t5_block, bridge_t5_legacy_block, targets
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 
 ARCHITECTURES = (
@@ -31,16 +34,11 @@ def _generate(model: Any, cached: bool) -> Any:
 
 def _cached_against_uncached(architecture: str) -> tuple[bool, float]:
     """Whether cached and uncached ``hf_generate`` pick the same tokens, and the largest relative
-    error of the cached logits against the uncached ones. Skips where the bridge's T5 block
-    cannot run with this transformers at all, in stock as with safelens-tl (TransformerLens 3.x
-    with transformers 5.15+: ``too many values to unpack``)."""
+    error of the cached logits against the uncached ones."""
     architectures = benchmark_module("bridge_architectures")
     model = architectures.boot(str(architecture_folder(architecture)))
     with torch.inference_mode():
-        try:
-            uncached = _generate(model, False)
-        except ValueError as error:
-            pytest.skip(f"this TransformerBridge's {architecture} cannot run here: {error}")
+        uncached = _generate(model, False)
         cached = _generate(model, True)
     same = torch.equal(cached.sequences, uncached.sequences)
     logits = torch.stack(list(cached.logits), dim=1)
@@ -53,13 +51,15 @@ def _renamed() -> bool:
     return bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
 
 
-def _skip_unless_the_block_hands_on_the_cache() -> None:
+def _legacy_block() -> bool:
+    """Whether this TransformerLens's T5 block is 3.x's, written for transformers 4."""
     block = targets.optional_class(targets.T5_BLOCK_BRIDGE_CLASS)
-    if block is None or not bridge_t5_block.hands_sublayers_the_cache(block):
-        pytest.skip(
-            "this TransformerLens's T5 block hands transformers 5's sublayers no cache, in stock "
-            "as with safelens-tl (not fixed)"
-        )
+    return block is not None and bridge_t5_legacy_block.builds_a_legacy_forward(block)
+
+
+def _skip_unless_booted(architecture: str) -> None:
+    if architecture not in targets.bridge_architectures():
+        pytest.skip(f"this TransformerBridge does not boot {architecture}")
 
 
 @requires_bridge
@@ -68,17 +68,55 @@ def test_hf_generate_with_the_cache_equals_it_without(
     architecture: str, patched: safelens_tl.activation.Status
 ) -> None:
     """The same tokens, and logits within the verifier's float32 tolerance, with the cache and
-    without it; stock picks other tokens where transformers passes the cache as ``cache``."""
-    _skip_unless_the_block_hands_on_the_cache()
+    without it. Stock picks other tokens where transformers passes the cache as ``cache``; with
+    TransformerLens 3.x's block it ignores the cache (LongT5) or, from transformers 5.15, cannot
+    run T5 and mT5 at all (``too many values to unpack``)."""
+    _skip_unless_booted(architecture)
     same, error = _cached_against_uncached(architecture)
     assert same and error <= 1e-4, error
-    if _renamed():
-        safelens_tl.deactivate()
-        try:
-            stock_same, stock_error = _cached_against_uncached(architecture)
-        finally:
-            safelens_tl.activate()
-        assert not stock_same and stock_error > 0.1, stock_error
+    if not (_renamed() or _legacy_block()):
+        return
+    safelens_tl.deactivate()
+    try:
+        stock_same, stock_error = _cached_against_uncached(architecture)
+    except ValueError as error:
+        assert _legacy_block() and "too many values to unpack" in str(error), error
+        return
+    finally:
+        safelens_tl.activate()
+    assert not stock_same and stock_error > 0.1, stock_error
+
+
+@requires_bridge
+def test_a_t5_through_transformer_lens_3_bridge_matches_hugging_face_s_own(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """With TransformerLens 3.x's T5 block, the decoder's logits through the bridge (uncached and
+    cached ``hf_generate``) are those of Hugging Face's own T5 on the same tokens: the layout the
+    block returns is read right by the stack, not merely consistent with itself. One prompt at a
+    time: TransformerLens 3.0's ``hf_generate`` drops the attention mask of a padded batch (its
+    own, with or without a cache)."""
+    if not _legacy_block():
+        pytest.skip("this TransformerLens's T5 block is not 3.x's")
+    from transformers import AutoModelForSeq2SeqLM
+
+    folder = str(architecture_folder("T5ForConditionalGeneration"))
+    model = benchmark_module("bridge_architectures").boot(folder)
+    reference = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = benchmark_module("bridge_hf_generate").PROMPTS
+    sweep = benchmark_module("bridge_hf_generate")
+    with torch.inference_mode():
+        for prompt, cached in itertools.product(prompts, (False, True)):
+            out = sweep.generate(
+                model, cached, [prompt], min_new_tokens=sweep.NEW_TOKENS, output_logits=True
+            )
+            logits = torch.stack(list(out.logits), dim=1)
+            encoded = model.tokenizer([prompt], return_tensors="pt")
+            expected = reference(
+                input_ids=encoded.input_ids, decoder_input_ids=out.sequences[:, :-1]
+            ).logits
+            error = float((logits - expected).abs().max() / expected.abs().max())
+            assert error <= 1e-4, (prompt, cached, error)
 
 
 @requires_bridge
@@ -88,7 +126,8 @@ def test_the_sublayers_are_patched_at_the_first_cached_block_and_unpatched_on_de
     feed-forward sublayer is left alone."""
     if not _renamed():
         pytest.skip("this transformers passes past_key_values, which the block reads")
-    _skip_unless_the_block_hands_on_the_cache()
+    if _legacy_block():
+        pytest.skip("this TransformerLens's T5 block is 3.x's (the test below)")
     folder = str(architecture_folder("T5ForConditionalGeneration"))
     modeling = importlib.import_module("transformers.models.t5.modeling_t5")
     attention = (modeling.T5LayerSelfAttention, modeling.T5LayerCrossAttention)
@@ -148,3 +187,103 @@ def test_a_sublayer_shows_and_hands_on_the_old_name() -> None:
             self.forward = patched_forward
 
     assert not bridge_t5_block.hands_sublayers_the_cache(Builder)  # TransformerLens 3.x's shape
+    assert bridge_t5_legacy_block.builds_a_legacy_forward(Builder)
+
+    class Builder4x:
+        def _patch_t5_block_forward(self) -> None:
+            def patched_forward(hidden_states: Any, past_key_values: Any = None) -> Any:
+                return hidden_states, past_key_values
+
+            self.forward = patched_forward
+
+    assert bridge_t5_block.hands_sublayers_the_cache(Builder4x)
+    assert not bridge_t5_legacy_block.builds_a_legacy_forward(Builder4x)
+    assert not bridge_t5_legacy_block.builds_a_legacy_forward(_Sublayer)
+
+
+class _OldSublayer:
+    def forward(self, hidden_states: Any, past_key_value: Any = None, **kw: Any) -> Any:
+        return hidden_states, past_key_value, kw
+
+
+class _RenamedSublayer:
+    def forward(self, hidden_states: Any, past_key_values: Any = None, **kw: Any) -> Any:
+        return hidden_states, past_key_values, kw
+
+
+def test_a_sublayer_takes_its_block_s_cache_under_its_own_name() -> None:
+    """Inside a block forward that holds a cache, a sublayer called without one gets it, under
+    ``cache`` or ``past_key_values`` (whichever it takes); a cache passed explicitly wins;
+    outside a block forward nothing is added; transformers 4's sublayers are left alone."""
+    held, given = object(), object()
+    new = bridge_t5_legacy_block.taking_the_block_cache(_Sublayer.forward)
+    old = bridge_t5_legacy_block.taking_the_block_cache(_RenamedSublayer.forward)
+    assert new(_Sublayer(), 1) == (1, None, {})
+    token = bridge_t5_legacy_block._block_cache.set(held)
+    try:
+        assert new(_Sublayer(), 1) == (1, held, {})
+        assert old(_RenamedSublayer(), 1) == (1, held, {})
+        assert new(_Sublayer(), 1, cache=given) == (1, given, {})
+        assert old(_RenamedSublayer(), 1, past_key_values=given) == (1, given, {})
+    finally:
+        bridge_t5_legacy_block._block_cache.reset(token)
+    assert bridge_t5_legacy_block.cache_name_taken(_OldSublayer.forward) is None
+
+    class Block:
+        def __init__(self, *layers: Any) -> None:
+            self.layer = list(layers)
+
+    patches = bridge_t5_legacy_block.sublayer_patches(Block(_Sublayer(), _OldSublayer()))
+    assert [(p.owner, p.attribute) for p in patches] == [(_Sublayer, "forward")]
+    assert bridge_t5_legacy_block.drops_the_cache(Block(_RenamedSublayer()))
+    assert not bridge_t5_legacy_block.drops_the_cache(Block(_OldSublayer()))
+    assert not bridge_t5_legacy_block.drops_the_cache(Block())
+
+
+def test_the_block_output_takes_hugging_face_s_layout() -> None:
+    """TransformerLens 3.x's ``(hidden, bias, weights[, cross bias, cross weights])`` becomes
+    ``(hidden, bias, cross bias or None)`` for a Hugging Face block without
+    ``output_attentions``; a block with it (LongT5) and unknown shapes are left as they are."""
+
+    class Block:
+        def forward(self, hidden_states: Any, cache: Any = None) -> Any:
+            return hidden_states
+
+    class OldLayoutBlock:
+        def forward(self, hidden_states: Any, output_attentions: bool = False) -> Any:
+            return hidden_states
+
+    layout = bridge_t5_legacy_block.in_hugging_face_layout
+    assert layout(Block(), ("h", "b", "w", "cb", "cw")) == ("h", "b", "cb")
+    assert layout(Block(), ("h", "b", "w")) == ("h", "b", None)
+    assert layout(Block(), ("h", "b")) == ("h", "b")
+    assert layout(OldLayoutBlock(), ("h", "b", "w", "cb", "cw")) == ("h", "b", "w", "cb", "cw")
+
+
+@requires_bridge
+def test_the_legacy_block_s_sublayers_are_patched_at_the_first_cached_block() -> None:
+    """With TransformerLens 3.x's block, the attention sublayer classes are patched once a block
+    meets a cache: listed by ``status()``, removed by ``deactivate()``; the feed-forward sublayer
+    is left alone."""
+    if not _legacy_block():
+        pytest.skip("this TransformerLens's T5 block is not 3.x's")
+    folder = str(architecture_folder("T5ForConditionalGeneration"))
+    modeling = importlib.import_module("transformers.models.t5.modeling_t5")
+    attention = (modeling.T5LayerSelfAttention, modeling.T5LayerCrossAttention)
+    before = {owner: owner.__dict__["forward"] for owner in attention}
+    safelens_tl.deactivate()
+    safelens_tl.activate()
+    try:
+        model = benchmark_module("bridge_architectures").boot(folder)
+        with torch.inference_mode():
+            _generate(model, True)
+        status = safelens_tl.status()
+        for owner in attention:
+            assert f"{owner.__module__}.{owner.__qualname__}.forward" in status.patched
+            assert getattr(owner.forward, bridge_t5_legacy_block.MARK, False)
+        assert not any("T5LayerFF" in p for p in status.patched)
+        assert status.failures == ()
+    finally:
+        safelens_tl.deactivate()
+        safelens_tl.activate()
+    assert {owner: owner.__dict__["forward"] for owner in attention} == before
