@@ -6,7 +6,8 @@ is first imported, not at ``import transformer_lens``. Every patch is chosen by 
 code has (feature detection), never by version numbers: see :mod:`safelens_tl.bridge_cache`,
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
-:mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_t5_block`,
+:mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
+:mod:`safelens_tl.bridge_t5_block`,
 :mod:`safelens_tl.bridge_t5_legacy_block`, :mod:`safelens_tl.bridge_attention_mask` and
 :mod:`safelens_tl.bridge_state_mask`.
 """
@@ -24,6 +25,7 @@ from safelens_tl import (
     bridge_codegen,
     bridge_conversion,
     bridge_gated_delta,
+    bridge_hf_generate_mask,
     bridge_hybrid_cache,
     bridge_model_call,
     bridge_rotary_dtype,
@@ -81,6 +83,13 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     for name in ("to", "_apply"):
         method = getattr(bridge.bridge_class, name)
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
+    hf_generate = bridge.bridge_class.__dict__.get("hf_generate")
+    if callable(hf_generate) and bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
+        yield Patch(
+            bridge.bridge_class,
+            "hf_generate",
+            bridge_hf_generate_mask.passing_the_attention_mask(hf_generate),
+        )
     if bridge.rotary_attention_class is not None:
         yield _own_method_patch(
             bridge.rotary_attention_class,
