@@ -7,9 +7,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_conversion`, :mod:`safelens_tl.bridge_rotary_dtype`,
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
-:mod:`safelens_tl.bridge_t5_block`,
-:mod:`safelens_tl.bridge_t5_legacy_block`, :mod:`safelens_tl.bridge_attention_mask` and
-:mod:`safelens_tl.bridge_state_mask`.
+:mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
+:mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
 """
 
 from __future__ import annotations

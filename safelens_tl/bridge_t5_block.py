@@ -83,16 +83,22 @@ def _code_objects(code: Any) -> list[Any]:
     return found
 
 
+def built_forward_names(block_bridge: type) -> set[str]:
+    """The local names of the block forward ``T5BlockBridge._patch_t5_block_forward`` builds
+    (read from its code, not run); empty where there is no such builder."""
+    builder = getattr(block_bridge, "_patch_t5_block_forward", None)
+    code = getattr(builder, "__code__", None)
+    if code is None:
+        return set()
+    return {name for nested in _code_objects(code)[1:] for name in nested.co_varnames}
+
+
 def hands_sublayers_the_cache(block_bridge: type) -> bool:
     """Whether ``T5BlockBridge`` builds a block forward that takes ``past_key_values`` and hands
     it on (TransformerLens 4.x). TransformerLens 3.x's takes transformers 4's ``past_key_value``
     tuples and hands transformers 5's sublayers no cache with any transformers 5
     (:mod:`safelens_tl.bridge_t5_legacy_block`)."""
-    builder = getattr(block_bridge, "_patch_t5_block_forward", None)
-    code = getattr(builder, "__code__", None)
-    if code is None:
-        return False
-    return any(OLD_NAME in nested.co_varnames for nested in _code_objects(code)[1:])
+    return OLD_NAME in built_forward_names(block_bridge)
 
 
 def sublayer_patches(block: Any) -> list[Patch]:

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache
+from safelens_tl import bridge_cache, bridge_t5_block
 from safelens_tl.patching import Patch
 
 SOURCE = "safelens_tl.bridge_plugin"
@@ -114,12 +113,7 @@ def builds_a_legacy_forward(block_bridge: type) -> bool:
     """Whether ``T5BlockBridge`` builds the block forward of TransformerLens 3.x, which takes the
     cache as ``past_key_value`` (read from its code, as
     :func:`safelens_tl.bridge_t5_block.hands_sublayers_the_cache` reads 4.x's)."""
-    builder = getattr(block_bridge, "_patch_t5_block_forward", None)
-    code = getattr(builder, "__code__", None)
-    if code is None:
-        return False
-    nested = [c for c in code.co_consts if inspect.iscode(c)]
-    return any(LEGACY_NAME in c.co_varnames for c in nested)
+    return LEGACY_NAME in bridge_t5_block.built_forward_names(block_bridge)
 
 
 def drops_the_cache(block: Any) -> bool:
