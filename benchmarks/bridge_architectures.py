@@ -262,6 +262,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "HunYuanDenseV1ForCausalLM": ("HunYuanDenseV1Config", {}),
     "Jais2ForCausalLM": ("Jais2Config", {}),
     "JetMoeForCausalLM": ("JetMoeConfig", {**_EXPERTS, "kv_channels": 16}),
+    # Phi-3.5-MoE: as published, its config names the remote-code class (see PUBLISHED_AS).
+    "PhiMoEForCausalLM": ("PhimoeConfig", _EXPERTS),
     "LagunaForCausalLM": (
         "LagunaConfig",
         {
@@ -334,6 +336,14 @@ VISION_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
         {**_HYBRID, **_EXPERTS, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
     ),
     "Glm4vForConditionalGeneration": ("Glm4vConfig", "Glm4vTextConfig", _MROPE),
+    # Images become tokens of a VQ-VAE (its vq_config, in TOWERS), which text never runs.
+    "Emu3ForConditionalGeneration": ("Emu3Config", "Emu3TextConfig", {}),
+    "Gemma4UnifiedForConditionalGeneration": (
+        "Gemma4UnifiedConfig",
+        "Gemma4UnifiedTextConfig",
+        _KV_SHARED,
+    ),
+    "MuseGlimmerForConditionalGeneration": ("MuseGlimmerConfig", "MuseGlimmerTextConfig", {}),
 }
 #: The smallest vision towers: each vision config takes the names it has.
 TINY_VISION: dict[str, Any] = {
@@ -350,6 +360,18 @@ TINY_VISION: dict[str, Any] = {
 }
 #: Towers :data:`TINY_VISION` cannot shrink: architecture -> sub-config -> its settings.
 TOWERS: dict[str, dict[str, dict[str, Any]]] = {
+    "Emu3ForConditionalGeneration": {
+        "vq_config": {
+            "codebook_size": 16,
+            "embed_dim": 4,
+            "latent_channels": 4,
+            "base_channels": 32,  # its group norms take 32 groups
+            "channel_multiplier": [1, 1],
+            "num_res_blocks": 1,
+            "attn_resolutions": [],
+            "hidden_size": 32,
+        }
+    },
     "Gemma3nForConditionalGeneration": {
         "vision_config": {"architecture": "mobilenetv5_base"},  # timm's smallest MobileNet-V5
         "audio_config": {
@@ -361,6 +383,9 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
+#: Settings of the composite config itself: Emu3's map from image-tokenizer codes to its vocabulary
+#: (text needs none of them, but the model reads the map when built).
+COMPOSITE: dict[str, dict[str, Any]] = {"Emu3ForConditionalGeneration": {"vocabulary_map": {}}}
 #: Audio-text decoders (an audio encoder before a causal language model), generating text only,
 #: as :data:`VISION_LANGUAGE`; their audio towers take the sizes of :data:`TINY_AUDIO` they have.
 AUDIO_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -384,6 +409,15 @@ TINY_AUDIO: dict[str, Any] = {
 }
 #: Every architecture the benchmark knows, in table order.
 ALL_ARCHITECTURES: tuple[str, ...] = (*ARCHITECTURES, *VISION_LANGUAGE, *AUDIO_LANGUAGE)
+#: The sizes of :data:`TINY_VISION` a SigLIP vision tower takes.
+_SIGLIP = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "image_size",
+    "patch_size",
+)
 _T5_LIKE = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 _BART_LIKE = {
     "d_model": 64,
@@ -438,7 +472,27 @@ ENCODER_DECODER: dict[str, tuple[str, dict[str, Any]]] = {
         "T5GemmaConfig",
         {"encoder": {**COMMON, **_SLIDING}, "decoder": {**COMMON, **_SLIDING}},
     ),
+    # Gemma 3 stacks; the decoder merges self- and cross-attention into one module, and the
+    # encoder nests its language model next to a SigLIP vision tower (never run: no image).
+    "T5Gemma2ForConditionalGeneration": (
+        "T5Gemma2Config",
+        {
+            "encoder": {
+                "text_config": {**COMMON, **_SLIDING},
+                "vision_config": {
+                    "model_type": "siglip_vision_model",
+                    **{key: TINY_VISION[key] for key in _SIGLIP},
+                },
+                "mm_tokens_per_image": 4,
+            },
+            "decoder": {**COMMON, **_SLIDING},
+        },
+    ),
 }
+#: Checkpoints whose published config names a class transformers lacks (the remote-code one they
+#: were released with), which is the only name TransformerLens boots them by; transformers saves
+#: its own class's name (``PhimoeForCausalLM``), so the folder's config is given the published one.
+PUBLISHED_AS = frozenset({"PhiMoEForCausalLM"})
 #: Saved as ``pytorch_model.bin``: TransformerLens's Switch Transformers adapter loads with
 #: ``use_safetensors=False`` (the google/switch-base repositories ship that file only), so it
 #: cannot boot a folder of safetensors, which is all transformers 5 saves.
@@ -552,21 +606,33 @@ def _multimodal_config(architecture: str, tokenizer: Any) -> Any:
     text = _language_config(text_name, settings, tokenizer)
     # The default tower names its own type (CLIP, SigLIP, Pixtral, Whisper-like, ...); keep the
     # type, shrink what it has.
-    default_tower = getattr(config_class(), tower)
-    if default_tower is None:  # Gemma 4 has no tower by default: its own class's defaults
-        default_tower = config_class.sub_configs[tower]()
-    known = default_tower.to_dict()
-    shrunk = {key: value for key, value in tiny.items() if key in known}
-    shrunk["model_type"] = default_tower.model_type
     towers = dict(TOWERS.get(architecture, {}))
-    shrunk.update(towers.pop(tower, {}))
+    shrunk: dict[str, Any] = {}
+    if tower in config_class.sub_configs:  # Emu3 has none: its image tokenizer is in TOWERS
+        default_tower = getattr(config_class(), tower)
+        if default_tower is None:  # Gemma 4 has no tower by default: its own class's defaults
+            default_tower = config_class.sub_configs[tower]()
+        known = default_tower.to_dict()
+        shrunk = {key: value for key, value in tiny.items() if key in known}
+        shrunk["model_type"] = default_tower.model_type
+        shrunk.update(towers.pop(tower, {}))
     others = {name: config_class.sub_configs[name](**value) for name, value in towers.items()}
-    config = config_class(text_config=text.to_dict(), **{tower: shrunk}, **others)
+    config = config_class(
+        text_config=text.to_dict(),
+        **({tower: shrunk} if shrunk else {}),
+        **others,
+        **COMPOSITE.get(architecture, {}),
+    )
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, name, getattr(tokenizer, name))
     # The composite's own setting initializes the language model's weights in some releases.
     config.initializer_range = COMMON["initializer_range"]
     return config
+
+
+def _nested_text(stack: dict[str, Any], tokens: dict[str, Any]) -> dict[str, Any]:
+    text = stack.get("text_config")
+    return {"text_config": {**text, **tokens}} if isinstance(text, dict) else {}
 
 
 def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
@@ -579,8 +645,11 @@ def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    # Each stack gets the tokenizer's ids; so does a language model nested in one (T5Gemma 2).
     stacks = {
-        name: {**value, **tokens} for name, value in settings.items() if isinstance(value, dict)
+        name: {**value, **tokens, **_nested_text(value, tokens)}
+        for name, value in settings.items()
+        if isinstance(value, dict)
     }
     config = _config_class(config_name)(
         **tokens, decoder_start_token_id=tokenizer.bos_token_id, **{**settings, **stacks}
@@ -610,7 +679,13 @@ def build(architecture: str) -> str:
         config_name, settings = ARCHITECTURES[architecture]
         config = _language_config(config_name, settings, tokenizer)
     config.architectures = [architecture]
-    return str(bridge.save_checkpoint(config, architecture, tokenizer))
+    folder = bridge.save_checkpoint(config, architecture, tokenizer)
+    if architecture in PUBLISHED_AS:
+        saved = folder / "config.json"
+        published = json.loads(saved.read_text(encoding="utf-8"))
+        published["architectures"] = [architecture]
+        saved.write_text(json.dumps(published, indent=2), encoding="utf-8")
+    return str(folder)
 
 
 def last_line(error: BaseException) -> str:

@@ -154,9 +154,19 @@ class Results:
 
 @contextmanager
 def patched(on: bool) -> Iterator[None]:
-    """Run the block with safelens-tl active (``on``) or with stock TransformerLens."""
+    """Run the block with safelens-tl active (``on``) or with stock TransformerLens.
+
+    Raises ``RuntimeError`` when safelens-tl does not activate (run from a source tree that was
+    never installed, it finds no plugins and only warns): what ran would be stock, reported as
+    patched, and the sweeps hide warnings.
+    """
     if on:
-        safelens_tl.activate()
+        status = safelens_tl.activate()
+        if not status.active:
+            reasons = "; ".join(failure.message for failure in status.failures) or "no patches"
+            raise RuntimeError(
+                f"safelens-tl did not activate, so nothing would be patched: {reasons}"
+            )
     else:
         safelens_tl.deactivate()
     try:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import safelens_tl
 from safelens_tl.verify import checks
 from tests.conftest import (
     BENCHMARKS,
@@ -405,3 +406,21 @@ def test_no_architecture_generates_worse_patched_than_stock() -> None:
             continue
         stock = architectures.run(folder, active=False)
         assert stock == patched, (name, patched, stock)
+
+
+def test_a_benchmark_refuses_to_call_stock_patched_when_safelens_tl_does_not_activate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run from a source tree that was never installed, safelens-tl finds no plugin and only
+    warns; the sweeps hide warnings, so they reported stock TransformerLens as "patched" (every
+    architecture "wrong in both"). The entry points are taken away as that tree has none."""
+    from safelens_tl import plugins
+
+    kv_cache = benchmark_module("kv_cache")
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [])
+    refused = pytest.raises(RuntimeError, match=r"did not activate.*entry-point")
+    with pytest.warns(Warning), refused, kv_cache.patched(True):
+        pytest.fail("the block ran although nothing was patched")
+    monkeypatch.undo()
+    with kv_cache.patched(True):
+        assert safelens_tl.status().active

@@ -174,6 +174,9 @@ MULTIMODAL = (
     "Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration",
     "GlmAsrForConditionalGeneration",
+    # Its composite is also in the causal-LM mapping, as its bare language model: a reference
+    # loaded with AutoModelForCausalLM had none of the checkpoint's weights.
+    "Emu3ForConditionalGeneration",
 )
 NEEDS = {"Gemma3nForConditionalGeneration": "timm"}
 KV_SHARED_LAYERS = {"Gemma4ForConditionalGeneration": 2, "Gemma3nForConditionalGeneration": 2}
@@ -211,13 +214,19 @@ def test_a_multimodal_checkpoint_generates_right_and_reports_its_heads(
 
 @requires_folder_bridge
 @pytest.mark.parametrize(
-    "architecture", ["LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration"]
+    "architecture",
+    [
+        "LlavaForConditionalGeneration",
+        "Qwen2AudioForConditionalGeneration",
+        "Emu3ForConditionalGeneration",
+    ],
 )
 def test_a_multimodal_checkpoint_folder_verifies(
     architecture: str, patched: safelens_tl.activation.Status
 ) -> None:
     """``safelens-tl verify --model FOLDER`` on Llava and Qwen2-Audio, which failed before
-    reaching a check."""
+    reaching a check, and on Emu3, which failed in it (``TypeError: 'NoneType' object is not
+    subscriptable``: its reference, loaded as the bare language model, had no architecture)."""
     folder = str(architecture_folder(architecture))
     report = runner.verify_pretrained(folder, (torch.float32,))
     assert report.passed, [check.error for check in report.checks]

@@ -16,7 +16,8 @@ positions derived from it):
   1% off fails them);
 - an independent reference, the same checkpoint loaded with ``AutoModelForCausalLM`` (or
   ``AutoModelForImageTextToText`` for a vision-language checkpoint, ``AutoModelForSeq2SeqLM`` for
-  an audio-text one: :func:`auto_model_class`; no TransformerLens at all):
+  an audio-text one; the class the checkpoint names where transformers has it: :func:`model_class`;
+  no TransformerLens at all):
   other kernels, so in half precision it differs by more, and
   :data:`REFERENCE_TOLERANCES` apply. It catches what the bridge itself gets wrong.
 """
@@ -141,13 +142,34 @@ def auto_model_class(config: Any) -> Any:
     return transformers.AutoModelForCausalLM
 
 
+def model_class(config: Any) -> Any:
+    """The class that builds, saves and loads the text generator of ``config``.
+
+    The generating class the config's ``architectures`` names, where transformers has one; else
+    :func:`auto_model_class`. Emu3's composite checkpoint (``Emu3ForConditionalGeneration``) is
+    in the causal-LM mapping for its bare language model, whose weights sit under another prefix:
+    loaded with ``AutoModelForCausalLM``, the reference had every weight newly initialized.
+    A name transformers lacks (a remote-code one, such as ``PhiMoEForCausalLM``) falls back.
+    """
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        named = getattr(transformers, name, None)
+        if isinstance(named, type) and issubclass(named, transformers.GenerationMixin):
+            return named
+    return auto_model_class(config)
+
+
 def save_checkpoint(config: Any, name: str, tokenizer: Any) -> Path:
     """Save a model of ``config`` with random weights (seed 0) and ``tokenizer`` to a new scratch
     folder ``hf-<name>``, removed at exit; return the folder."""
     torch.manual_seed(0)
     folder = models.scratch_folder(f"hf-{name}")
+    chosen = model_class(config)
+    # An Auto class builds with from_config; a model class with _from_config, what that calls.
+    build = getattr(chosen, "from_config", None) or chosen._from_config
     with no_progress_bars():
-        auto_model_class(config).from_config(config).save_pretrained(folder)
+        build(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -232,7 +254,7 @@ def reference_from(folder: str | Path, dtype: torch.dtype, device: str = "cpu") 
 
     config = AutoConfig.from_pretrained(str(folder))
     with no_progress_bars():
-        model = auto_model_class(config).from_pretrained(str(folder), config=config, dtype=dtype)
+        model = model_class(config).from_pretrained(str(folder), config=config, dtype=dtype)
     return model.to(device).eval()
 
 
