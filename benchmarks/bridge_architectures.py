@@ -418,9 +418,20 @@ _SIGLIP = (
     "image_size",
     "patch_size",
 )
+_BART_LIKE_WIDTH = 64
+#: The smallest DaViT vision tower (Florence-2's): four stages of one block each.
+_DAVIT = {
+    "depths": [1, 1, 1, 1],
+    "embed_dim": [16, 32, 32, 64],
+    "num_heads": [1, 2, 2, 4],
+    "num_groups": [1, 2, 2, 4],
+    "window_size": 2,
+    "projection_dim": _BART_LIKE_WIDTH,
+    "drop_path_rate": 0.0,
+}
 _T5_LIKE = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 _BART_LIKE = {
-    "d_model": 64,
+    "d_model": _BART_LIKE_WIDTH,
     "encoder_layers": 2,
     "decoder_layers": 2,
     "encoder_attention_heads": 4,
@@ -487,6 +498,12 @@ ENCODER_DECODER: dict[str, tuple[str, dict[str, Any]]] = {
             },
             "decoder": {**COMMON, **_SLIDING},
         },
+    ),
+    # A BART encoder-decoder behind a DaViT vision tower (never run: no image). Its image token
+    # keeps the default id, beyond the tiny vocabulary, so no prompt holds one.
+    "Florence2ForConditionalGeneration": (
+        "Florence2Config",
+        {"text_config": {**_BART_LIKE, "init_std": 0.3}, "vision_config": _DAVIT},
     ),
 }
 #: Checkpoints whose published config names a class transformers lacks (the remote-code one they
@@ -636,8 +653,6 @@ def _nested_text(stack: dict[str, Any], tokens: dict[str, Any]) -> dict[str, Any
 
 
 def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
-    import transformers
-
     config_name, settings = ENCODER_DECODER[architecture]
     tokens = {
         "vocab_size": models.vocab_size(),
@@ -657,7 +672,8 @@ def _save_encoder_decoder(architecture: str, tokenizer: Any) -> str:
     config.architectures = [architecture]
     torch.manual_seed(0)
     folder = models.scratch_folder(f"hf-{architecture}")
-    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+    # Florence-2 is an image-text-to-text model, not in the sequence-to-sequence mapping.
+    model = bridge.build_model(config)
     with bridge.no_progress_bars():
         model.save_pretrained(folder)
     if architecture in PICKLED_WEIGHTS:

@@ -8,8 +8,8 @@ generated greedily for 8 tokens with the cache and without it (``use_past_kv_cac
 ``use_cache=False``: TransformerLens 4.3 leaves the model's own ``use_cache=True`` in force when
 only the first is given), first with safelens-tl active, then stock. Right means the same tokens.
 The encoder-decoder checkpoints (``bridge_architectures.ENCODER_DECODER``: T5, mT5, LongT5, BART,
-mBART, Pegasus, Blenderbot, Marian, LED, M2M100, Switch Transformers, T5Gemma) come last; their
-8 tokens are the decoder's.
+mBART, Pegasus, Blenderbot, Marian, LED, M2M100, Switch Transformers, T5Gemma, T5Gemma 2,
+Florence-2) come last; their 8 tokens are the decoder's.
 
 ``--decoding`` picks Hugging Face's decoding strategy (:data:`DECODING`): greedy by default; beam
 search, which reorders the cache between steps; sampling under a fixed seed; prompt-lookup

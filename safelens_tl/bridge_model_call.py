@@ -7,7 +7,9 @@ adaptation is a no-op unless its mismatch arrives:
 - the KV cache under the name the model's ``forward`` gives it
   (:func:`safelens_tl.bridge_cache.pass_cache_by_the_models_name`);
 - ``position_ids`` for a step given only as ``cache_position``, which transformers 5 models no
-  longer read (:mod:`safelens_tl.bridge_positions`).
+  longer read (:mod:`safelens_tl.bridge_positions`);
+- positions of a cached step of a multimodal-rotary model (Qwen-VL) cut to the step's tokens
+  (:mod:`safelens_tl.bridge_mrope_positions`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache, bridge_positions
+from safelens_tl import bridge_cache, bridge_mrope_positions, bridge_positions
 
 
 def adapting_model_call(
@@ -35,6 +37,7 @@ def adapting_model_call(
             # This call's own kwargs: the caller's dict is left as it was.
             bridge_cache.pass_cache_by_the_models_name(kwargs, type(model), keep_accepted_old_name)
             bridge_positions.add_positions_from_cache_position(args, kwargs, type(model))
+            bridge_mrope_positions.fit_step_positions(model)
         return original(self, *args, **kwargs)
 
     return forward

@@ -123,6 +123,64 @@ def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any)
                 break
 
 
+def _requires_generate_parameter(model: Any, name: str) -> None:
+    if name not in inspect.signature(model.generate).parameters:
+        pytest.skip(f"this TransformerBridge.generate has no {name}")
+
+
+def test_a_padded_token_tensor_with_its_mask_generates_what_its_strings_generate(
+    model: Any,
+) -> None:
+    """Prompts tokenized and left-padded by the user, passed as one tensor with their
+    ``attention_mask`` (TransformerLens 4.3), generate the tokens the same prompts as strings
+    generate, and the cached steps pick what the uncached forward picks. (Stock fails this with
+    transformers 5.25: its cache is ignored.)"""
+    _requires_generate_parameter(model, "attention_mask")
+    model.tokenizer.padding_side = "left"
+    encoded = model.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    assert not bool(encoded["attention_mask"].all()), "the prompts must need padding"
+    from_strings = model.generate(PROMPTS, **_greedy())
+    from_tensor = model.generate(
+        encoded["input_ids"], attention_mask=encoded["attention_mask"], **_greedy()
+    )
+    assert torch.equal(from_tensor, from_strings)
+    assert torch.equal(
+        from_tensor[:, -NEW_TOKENS:], _uncached_choices(model, from_tensor, NEW_TOKENS)
+    )
+
+
+def test_a_stopping_criterion_stops_the_cached_generation_where_the_uncached_one_stops(
+    attention_model: Any,
+) -> None:
+    """``stopping_criteria`` (TransformerLens 4.3: Hugging Face's, called with the tokens so far
+    and the step's logits) sees the same tokens and logits cached as uncached: a criterion that
+    ends a row at the token the uncached generation picks third stops the cached one there too.
+    (``stop_strings`` cannot be checked here: Hugging Face's matcher does not take the tiny
+    word-level tokenizer.)"""
+    _requires_generate_parameter(attention_model, "stopping_criteria")
+    arguments = _greedy(input=PROMPTS[:1], use_past_kv_cache=False)
+    plain = attention_model.generate(**arguments)
+    third = int(plain[0, -NEW_TOKENS + 2])
+    seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+
+    def stops(cached: bool) -> Callable[..., torch.Tensor]:
+        def criterion(input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
+            seen[cached].append(scores.detach().clone())
+            return input_ids[:, -1] == third
+
+        return criterion
+
+    uncached = attention_model.generate(**arguments, stopping_criteria=[stops(False)])
+    cached = attention_model.generate(
+        **{**arguments, "use_past_kv_cache": True}, stopping_criteria=[stops(True)]
+    )
+    assert uncached.shape[1] == plain.shape[1] - NEW_TOKENS + 3, "the criterion must stop it"
+    assert torch.equal(cached, uncached)
+    assert len(seen[True]) == len(seen[False]) == 3
+    for got, want in zip(seen[True], seen[False], strict=True):
+        assert _relative_error(got, want) <= checks.TOLERANCES[torch.float32]
+
+
 def test_hugging_face_generate_through_the_bridge_uses_the_cache_right(model: Any) -> None:
     """``hf_generate`` runs Hugging Face's own loop over the bridge's modules: its cached steps
     must pick what the uncached forward picks, and what its uncached loop picks. (Stock fails
@@ -177,6 +235,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "strings returned": {"return_type": "str"},
     "logits returned": {"output_logits": True},
     "activations returned": {"return_cache": True, "input": PROMPTS[:1]},
+    "prompt tokens returned": {"return_input_tokens": True},
 }
 _attention_models: list[Any] = []
 
@@ -233,6 +292,8 @@ def test_every_generate_option_gives_what_the_uncached_generate_gives(
             got, want = activations[name], expected_activations[name]
             assert got.shape == want.shape, name
             assert _relative_error(got.float(), want.float()) <= tolerance, name
+    elif option == "prompt tokens returned":
+        assert all(map(torch.equal, cached, uncached)) and len(cached) == len(uncached) == 2
     elif option == "strings returned":
         assert isinstance(cached, list) and cached == uncached
     else:

@@ -259,15 +259,24 @@ def test_where_both_apis_exist_a_folder_hooked_transformer_refuses_boots_as_a_br
 
 @requires_folder_bridge
 @pytest.mark.parametrize(
-    "architecture", ["T5ForConditionalGeneration", "BartForConditionalGeneration"]
+    ("architecture", "heads"),
+    [
+        ("T5ForConditionalGeneration", 4),
+        ("BartForConditionalGeneration", 4),
+        # Vision-language encoder-decoders, on text: a DaViT tower before BART, and Gemma 3
+        # stacks whose decoder merges self- and cross-attention.
+        ("Florence2ForConditionalGeneration", 4),
+        ("T5Gemma2ForConditionalGeneration", 2),
+    ],
 )
 def test_an_encoder_decoder_checkpoint_folder_verifies_through_hf_generate(
-    architecture: str, patched: safelens_tl.activation.Status
+    architecture: str, heads: int, patched: safelens_tl.activation.Status
 ) -> None:
     """``safelens-tl verify --model FOLDER`` on T5 and BART failed every check ("Unrecognized
     configuration class ... AutoModelForCausalLM"). Only ``hf_generate`` caches their decoder,
     so that is what is checked: against the bridge's uncached forward in every dtype, against
-    Hugging Face's own in float32 only (``bridge_seq2seq``: in half precision it is reported)."""
+    Hugging Face's own in float32 only (``bridge_seq2seq``: in half precision it is reported).
+    Florence-2 is in no sequence-to-sequence mapping: its reference is the class it names."""
     folder = str(architecture_folder(architecture))
     report = runner.verify_pretrained(folder, (torch.float32, torch.bfloat16))
     assert report.passed, [check.error for check in report.checks]
@@ -276,7 +285,7 @@ def test_an_encoder_decoder_checkpoint_folder_verifies_through_hf_generate(
     assert full.reference_tolerance is not None and half.reference_tolerance is None
     assert half.reference_rel_err is not None
     for check in report.checks:
-        assert check.cache_heads == check.expected_cache_heads == 4
+        assert check.cache_heads == check.expected_cache_heads == heads
         assert check.greedy_agreement == 1.0
 
 

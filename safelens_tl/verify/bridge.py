@@ -165,13 +165,18 @@ def save_checkpoint(config: Any, name: str, tokenizer: Any) -> Path:
     folder ``hf-<name>``, removed at exit; return the folder."""
     torch.manual_seed(0)
     folder = models.scratch_folder(f"hf-{name}")
+    with no_progress_bars():
+        build_model(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_model(config: Any) -> Any:
+    """A model of ``config`` with newly initialized weights, of :func:`model_class`."""
     chosen = model_class(config)
     # An Auto class builds with from_config; a model class with _from_config, what that calls.
     build = getattr(chosen, "from_config", None) or chosen._from_config
-    with no_progress_bars():
-        build(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return build(config)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,262 @@
+"""Cached generation from an image or a sound through a multimodal TransformerBridge.
+
+The sweeps and the verifier generate text only. Here a prompt holds an image (or audio): its
+pixels (or features) go through the vision (or audio) tower once, at the prompt's forward, and
+every later step reads them only from the cache; the multimodal rotary positions (M-RoPE) of
+Qwen's and GLM-4V's generated tokens also depend on the image's grid. Hugging Face's own cached
+``generate`` of the same checkpoint is the reference. The tiny checkpoints of
+``benchmarks/bridge_architectures.py`` are copied with their image or audio tokens moved into the
+tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but Llava need
+torchvision (TransformerLens's adapters import it), which the CI machines lack: their runs are
+recorded in ``docs/reliability.md``, and the fix they need is also tested on Hugging Face's
+Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing more.
+
+TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
+first step only and runs every later step over the whole sequence without them, so it is not the
+reference: its tokens drift from the second one on (TransformerLens 4.3; not a cache problem).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import bridge_cache, bridge_mrope_positions
+from safelens_tl.verify import bridge, models
+from tests.conftest import architecture_folder, requires_bridge
+
+pytestmark = requires_bridge
+
+NEW_TOKENS = 8
+#: The text around the image or sound.
+PROMPT = "the cat runs"
+IMAGE_MODELS = [
+    "LlavaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
+]
+#: TransformerLens's adapters for these import torchvision.
+NEEDS_TORCHVISION = set(IMAGE_MODELS[1:])
+AUDIO_MODELS = [
+    "Qwen2AudioForConditionalGeneration",
+    "AudioFlamingo3ForConditionalGeneration",
+    "MusicFlamingoForConditionalGeneration",
+    "GlmAsrForConditionalGeneration",
+]
+#: Qwen's placeholders and the tokens around an image (Llava reads only the placeholder); the
+#: audio placeholder takes the image's id.
+IMAGE_TOKEN, VISION_START, VISION_END = -1, -2, -3
+
+
+def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -> Path:
+    """A copy of the tiny checkpoint whose image (or audio) tokens are the vocabulary's last
+    ids."""
+    folder = destination / architecture
+    shutil.copytree(architecture_folder(architecture), folder)
+    vocabulary = models.vocab_size()
+    ids = {
+        "image_token_id": vocabulary + IMAGE_TOKEN,
+        "image_token_index": vocabulary + IMAGE_TOKEN,
+        "audio_token_id": vocabulary + IMAGE_TOKEN,
+        "audio_token_index": vocabulary + IMAGE_TOKEN,
+        "vision_start_token_id": vocabulary + VISION_START,
+        "vision_end_token_id": vocabulary + VISION_END,
+    }
+    path = folder / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.update({key: value for key, value in ids.items() if key in config})
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+def _media_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:data:`PROMPT` with one random image, or one random sound, after its first word, and the
+    inputs that carry it."""
+    words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
+    if hasattr(reference.config, "audio_config"):
+        return _audio_prompt(reference, words)
+    return _image_prompt(reference, words)
+
+
+def _audio_prompt(
+    reference: Any, words: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Random log-mel features (seed 0) as long as the Whisper-style tower takes, all of them
+    valid, and one placeholder per frame the tower puts out."""
+    audio = reference.config.audio_config
+    positions = getattr(audio, "max_source_positions", None) or audio.max_position_embeddings
+    features = torch.randn(
+        1, audio.num_mel_bins, 2 * positions, generator=torch.Generator().manual_seed(0)
+    )
+    mask = torch.ones(1, features.shape[-1], dtype=torch.long)
+    mask_name = "feature_attention_mask"
+    if mask_name not in inspect.signature(reference.forward).parameters:
+        mask_name = "input_features_mask"  # Audio Flamingo 3, Music Flamingo, GLM-ASR
+    # Whisper-style towers say how many frames come out; GLM-ASR's only by running.
+    tower = next(
+        (m for m in reference.modules() if hasattr(m, "_get_feat_extract_output_lengths")), None
+    )
+    if tower is not None:
+        placeholders = int(tower._get_feat_extract_output_lengths(mask.sum(-1))[-1].item())
+    else:
+        with torch.no_grad():
+            output = reference.get_audio_features(features, mask)
+        frames = getattr(output, "pooler_output", output)
+        placeholders = frames.reshape(-1, frames.shape[-1]).shape[0]
+    audio_tokens = torch.full((placeholders,), models.vocab_size() + IMAGE_TOKEN)
+    prompt = torch.cat([words[:1], audio_tokens, words[1:]]).unsqueeze(0)
+    return prompt, {"input_features": features, mask_name: mask}
+
+
+def _image_prompt(
+    reference: Any, words: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A prompt with one random image (seed 0) between the first word of ``words`` and the rest,
+    and the inputs that carry the image: ``pixel_values`` and, for Qwen, the image's patch
+    grid."""
+    vocabulary = models.vocab_size()
+    vision = reference.config.vision_config
+    generator = torch.Generator().manual_seed(0)
+    if hasattr(vision, "spatial_merge_size"):  # Qwen: flattened patches on a grid
+        merge, side = vision.spatial_merge_size, 2 * vision.spatial_merge_size
+        patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+        inputs = {
+            "pixel_values": torch.randn(side * side, patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, side, side]]),
+        }
+        placeholders = side * side // merge**2
+        image = [vocabulary + VISION_START, *[vocabulary + IMAGE_TOKEN] * placeholders]
+        image.append(vocabulary + VISION_END)
+    else:  # Llava: one placeholder per patch of the CLIP tower
+        size = vision.image_size
+        pixels = torch.randn(1, 3, size, size, generator=generator)
+        inputs = {"pixel_values": pixels}
+        image = [vocabulary + IMAGE_TOKEN] * (size // vision.patch_size) ** 2
+    prompt = torch.cat([words[:1], torch.tensor(image), words[1:]]).unsqueeze(0)
+    if "mm_token_type_ids" in inspect.signature(reference.forward).parameters:
+        # Qwen3-VL asks which tokens are image placeholders, as its processor says (1 = image).
+        inputs["mm_token_type_ids"] = (prompt == vocabulary + IMAGE_TOKEN).long()
+    return prompt, inputs
+
+
+def _hugging_face_s_own(reference: Any, prompt: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """The tokens Hugging Face's own cached ``generate`` picks. Not its uncached one: a tiny
+    model may generate its own image (or audio) token, which every later uncached step would
+    take for one more placeholder than the image has features (``ValueError``)."""
+    # Never stopped at the end-of-sequence token, as the bridge is told (stop_at_eos=False).
+    config = copy.deepcopy(reference.generation_config)
+    config.eos_token_id = []  # None would fall back to the model config's
+    with torch.no_grad():
+        generated = reference.generate(
+            prompt,
+            generation_config=config,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            use_cache=True,
+            **inputs,
+        )
+    assert generated.shape[1] == prompt.shape[1] + NEW_TOKENS
+    tokens: torch.Tensor = generated[:, -NEW_TOKENS:]
+    return tokens
+
+
+def _boot_unless_stock_cannot(folder: Path) -> Any:
+    """The bridge of ``folder``, or a skip where stock TransformerLens cannot boot it either
+    (3.0's Llava: ``'CLIPVisionModel' object has no attribute 'vision_model'``)."""
+    try:
+        return bridge.boot_folder(folder, torch.float32, tokenizer=models.load_tokenizer())
+    except Exception as error:
+        safelens_tl.deactivate()
+        try:
+            bridge.boot_folder(folder, torch.float32, tokenizer=models.load_tokenizer())
+        except Exception:
+            pytest.skip(f"stock TransformerBridge cannot boot it either: {error!r}")
+        finally:
+            safelens_tl.activate()
+        raise
+
+
+@pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
+def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_face_does(
+    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
+) -> None:
+    """``generate`` and ``hf_generate`` with ``pixel_values`` (or ``input_features``), cached,
+    pick Hugging Face's own tokens, which the image (or sound) changes. (Stock Llava and the
+    audio-text models fail this with transformers 5.25: the cache is ignored, and every step
+    after the prompt's forward sees neither the image nor the text.)"""
+    if architecture in NEEDS_TORCHVISION:
+        pytest.importorskip("torchvision")
+    folder = _with_media_tokens_in_the_vocabulary(architecture, tmp_path)
+    reference = bridge.reference_from(folder, torch.float32)
+    prompt, inputs = _media_prompt(reference)
+    expected = _hugging_face_s_own(reference, prompt, **inputs)
+    without_media = prompt.where(prompt < models.vocab_size() + VISION_END, prompt[0, -1])
+    assert not torch.equal(_hugging_face_s_own(reference, without_media), expected)
+    model = _boot_unless_stock_cannot(folder)
+    parameters = inspect.signature(model.generate).parameters.values()
+    if not any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+        pytest.skip("this TransformerBridge.generate takes no image or sound")
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
+    generated = model.generate(
+        prompt, use_past_kv_cache=True, verbose=False, stop_at_eos=False, **greedy, **inputs
+    )
+    assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
+    through_hugging_face = model.hf_generate(
+        prompt, use_past_kv_cache=True, use_cache=True, stop_at_eos=False, **greedy, **inputs
+    )
+    # TransformerLens 3.9's hf_generate stops at the end-of-sequence token whatever stop_at_eos
+    # says (it leaves Hugging Face's default in force): up to there, the same tokens.
+    picked = through_hugging_face[0, prompt.shape[1] :].tolist()
+    assert picked == expected[0, : len(picked)].tolist()
+    assert len(picked) == NEW_TOKENS or picked[-1] == reference.generation_config.eos_token_id
+
+
+def _decoded_step_by_step(model: Any, prompt: torch.Tensor, inputs: dict[str, Any]) -> list[int]:
+    """Greedy tokens of ``model`` driven as TransformerBridge's ``generate`` drives it: the prompt
+    with its image, then one token per call with the whole attention mask and no positions."""
+    cache_name = bridge_cache.attention_cache_argument() or "past_key_values"
+    with torch.no_grad():
+        output = model(input_ids=prompt, use_cache=True, **inputs)
+        cache, tokens = output.past_key_values, prompt
+        for _ in range(NEW_TOKENS):
+            chosen = output.logits[:, -1:].argmax(dim=-1)
+            tokens = torch.cat([tokens, chosen], dim=1)
+            step = {"attention_mask": torch.ones_like(tokens), cache_name: cache}
+            output = model(input_ids=chosen, use_cache=True, **step)
+    generated: list[int] = tokens[0, prompt.shape[1] :].tolist()
+    return generated
+
+
+def test_a_multimodal_rotary_model_stepped_without_positions_decodes_as_hugging_face_s_generate(
+    tmp_path: Path, patched: safelens_tl.activation.Status
+) -> None:
+    """Hugging Face's Qwen2.5-VL itself (no TransformerLens, so no torchvision), stepped as the
+    bridge steps it, once fitted (:mod:`safelens_tl.bridge_mrope_positions`, what the bridge does
+    at its first call) picks the tokens of its own ``generate``; unfitted, a step of one token
+    gets a position for every column of the mask, and the next step fails."""
+    folder = _with_media_tokens_in_the_vocabulary("Qwen2_5_VLForConditionalGeneration", tmp_path)
+    reference = bridge.reference_from(folder, torch.float32)
+    prompt, inputs = _media_prompt(reference)
+    if "mm_token_type_ids" not in inputs:
+        pytest.skip("this transformers computes Qwen2.5-VL's positions without mm_token_type_ids")
+    expected = _hugging_face_s_own(reference, prompt, **inputs)
+    bridge_mrope_positions.fit_step_positions(reference)
+    assert _decoded_step_by_step(reference, prompt, inputs) == expected[0].tolist()
+    safelens_tl.deactivate()
+    try:
+        with pytest.raises(RuntimeError):  # a size mismatch, wherever the shapes first meet
+            _decoded_step_by_step(reference, prompt, inputs)
+    finally:
+        safelens_tl.activate()
