@@ -9,7 +9,9 @@ adaptation is a no-op unless its mismatch arrives:
 - ``position_ids`` for a step given only as ``cache_position``, which transformers 5 models no
   longer read (:mod:`safelens_tl.bridge_positions`);
 - positions of a cached step of a multimodal-rotary model (Qwen-VL) cut to the step's tokens
-  (:mod:`safelens_tl.bridge_mrope_positions`).
+  (:mod:`safelens_tl.bridge_mrope_positions`);
+- the image (or sound) of an uncached ``generate`` at every step, not only the prompt's
+  (:mod:`safelens_tl.bridge_uncached_media`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache, bridge_mrope_positions, bridge_positions
+from safelens_tl import (
+    bridge_cache,
+    bridge_mrope_positions,
+    bridge_positions,
+    bridge_uncached_media,
+)
 
 
 def adapting_model_call(
@@ -38,6 +45,7 @@ def adapting_model_call(
             bridge_cache.pass_cache_by_the_models_name(kwargs, type(model), keep_accepted_old_name)
             bridge_positions.add_positions_from_cache_position(args, kwargs, type(model))
             bridge_mrope_positions.fit_step_positions(model)
+            bridge_uncached_media.restore_media(args, kwargs)
         return original(self, *args, **kwargs)
 
     return forward

@@ -8,7 +8,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
 :mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
-:mod:`safelens_tl.bridge_attention_mask` and :mod:`safelens_tl.bridge_state_mask`.
+:mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_state_mask` and
+:mod:`safelens_tl.bridge_uncached_media`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from safelens_tl import (
     bridge_state_mask,
     bridge_t5_block,
     bridge_t5_legacy_block,
+    bridge_uncached_media,
     targets,
 )
 from safelens_tl.hookspecs import hookimpl
@@ -89,6 +91,13 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             "hf_generate",
             bridge_hf_generate_mask.passing_the_attention_mask(hf_generate),
         )
+    yield _own_method_patch(
+        bridge.bridge_class,
+        "generate",
+        bridge_uncached_media.passing_media_at_every_step,
+        "multimodal generation",
+        "an uncached generate from an image or a sound sees it at its first step only",
+    )
     if bridge.rotary_attention_class is not None:
         yield _own_method_patch(
             bridge.rotary_attention_class,

@@ -12,8 +12,9 @@ recorded in ``docs/reliability.md``, and the fix they need is also tested on Hug
 Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing more.
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
-first step only and runs every later step over the whole sequence without them, so it is not the
-reference: its tokens drift from the second one on (TransformerLens 4.3; not a cache problem).
+first step only and runs every later step over the whole sequence without them: its tokens drift
+from the second one on (TransformerLens 3.9 and 4.3). With safelens-tl every uncached step gets
+them (:mod:`safelens_tl.bridge_uncached_media`), and picks Hugging Face's tokens too.
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ def _image_prompt(
     return prompt, inputs
 
 
-def _hugging_face_s_own(reference: Any, prompt: torch.Tensor, **inputs: Any) -> torch.Tensor:
-    """The tokens Hugging Face's own cached ``generate`` picks. Not its uncached one: a tiny
-    model may generate its own image (or audio) token, which every later uncached step would
-    take for one more placeholder than the image has features (``ValueError``)."""
+def _hugging_face_s_own(
+    reference: Any, prompt: torch.Tensor, use_cache: bool = True, **inputs: Any
+) -> torch.Tensor:
+    """The tokens Hugging Face's own ``generate`` picks, by default cached. (Uncached, a tiny
+    model may generate its own image (or audio) token, which every later step takes for one more
+    placeholder than the image has features: ``ValueError``.)"""
     # Never stopped at the end-of-sequence token, as the bridge is told (stop_at_eos=False).
     config = copy.deepcopy(reference.generation_config)
     config.eos_token_id = []  # None would fall back to the model config's
@@ -164,7 +167,7 @@ def _hugging_face_s_own(reference: Any, prompt: torch.Tensor, **inputs: Any) -> 
             generation_config=config,
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
-            use_cache=True,
+            use_cache=use_cache,
             **inputs,
         )
     assert generated.shape[1] == prompt.shape[1] + NEW_TOKENS
@@ -188,17 +191,15 @@ def _boot_unless_stock_cannot(folder: Path) -> Any:
         raise
 
 
-@pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
-def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_face_does(
-    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
-) -> None:
-    """``generate`` and ``hf_generate`` with ``pixel_values`` (or ``input_features``), cached,
-    pick Hugging Face's own tokens, which the image (or sound) changes. (Stock Llava and the
-    audio-text models fail this with transformers 5.25: the cache is ignored, and every step
-    after the prompt's forward sees neither the image nor the text.)"""
+def _bridge_with_media_prompt(
+    architecture: str, destination: Path
+) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any]:
+    """The bridge of the tiny ``architecture`` with its media tokens in the vocabulary, a prompt
+    with an image or a sound, the inputs that carry it, the tokens Hugging Face's own
+    ``generate`` picks for it (which the image or sound changes), and Hugging Face's model."""
     if architecture in NEEDS_TORCHVISION:
         pytest.importorskip("torchvision")
-    folder = _with_media_tokens_in_the_vocabulary(architecture, tmp_path)
+    folder = _with_media_tokens_in_the_vocabulary(architecture, destination)
     reference = bridge.reference_from(folder, torch.float32)
     prompt, inputs = _media_prompt(reference)
     expected = _hugging_face_s_own(reference, prompt, **inputs)
@@ -208,6 +209,18 @@ def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_f
     parameters = inspect.signature(model.generate).parameters.values()
     if not any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
         pytest.skip("this TransformerBridge.generate takes no image or sound")
+    return model, prompt, inputs, expected, reference
+
+
+@pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
+def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_face_does(
+    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
+) -> None:
+    """``generate`` and ``hf_generate`` with ``pixel_values`` (or ``input_features``), cached,
+    pick Hugging Face's own tokens, which the image (or sound) changes. (Stock Llava and the
+    audio-text models fail this with transformers 5.25: the cache is ignored, and every step
+    after the prompt's forward sees neither the image nor the text.)"""
+    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(architecture, tmp_path)
     greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
     generated = model.generate(
         prompt, use_past_kv_cache=True, verbose=False, stop_at_eos=False, **greedy, **inputs
@@ -221,6 +234,77 @@ def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_f
     picked = through_hugging_face[0, prompt.shape[1] :].tolist()
     assert picked == expected[0, : len(picked)].tolist()
     assert len(picked) == NEW_TOKENS or picked[-1] == reference.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
+def test_an_uncached_generate_sees_the_image_or_sound_at_every_step(
+    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
+) -> None:
+    """``generate(use_past_kv_cache=False)`` with an image (or a sound) picks Hugging Face's own
+    tokens: every step, which runs the whole sequence again, gets the image and its per-token
+    inputs, extended (stock TransformerLens 3.9 and 4.3 give them to the first step only). Where
+    the tiny model picks its own image token, Hugging Face's uncached ``generate`` raises, and so
+    does the bridge's."""
+    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
+    uncached = {"use_past_kv_cache": False, "verbose": False, "stop_at_eos": False, **greedy}
+    try:
+        hugging_face_s_uncached = _hugging_face_s_own(reference, prompt, use_cache=False, **inputs)
+    except ValueError as error:
+        assert "do not match" in str(error)  # more placeholders than features
+        with pytest.raises(ValueError, match="do not match"):
+            model.generate(prompt, **uncached, **inputs)
+        return
+    assert hugging_face_s_uncached.tolist() == expected.tolist()
+    generated = model.generate(prompt, **uncached, **inputs)
+    assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
+
+
+def test_an_encoder_decoder_bridge_generates_from_an_image_as_hugging_face_does(
+    tmp_path: Path, patched: safelens_tl.activation.Status
+) -> None:
+    """Florence-2 (a BART encoder-decoder reading a DaViT tower's image features through
+    placeholders in its encoder's input): TransformerBridge's ``generate`` runs encoder-decoders
+    without a cache and hands the image to no step, so stock picks the same tokens whatever the
+    image (TransformerLens 3.9 and 4.3). With safelens-tl every step gets the image: Hugging
+    Face's own tokens, for each of two images that change them."""
+    folder = _with_media_tokens_in_the_vocabulary("Florence2ForConditionalGeneration", tmp_path)
+    reference = bridge.reference_from(folder, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.randn(1, 3, 64, 64, generator=generator), torch.zeros(1, 3, 64, 64)]
+    with torch.no_grad():
+        features = reference.get_image_features(images[0])
+    placeholders = getattr(features, "pooler_output", features).shape[1]
+    words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
+    image = torch.full((placeholders,), models.vocab_size() + IMAGE_TOKEN)
+    prompt = torch.cat([image, words]).unsqueeze(0)
+    config = copy.deepcopy(reference.generation_config)
+    config.eos_token_id = []
+    model = _boot_unless_stock_cannot(folder)
+    picked = []
+    for pixels in images:
+        with torch.no_grad():
+            expected = reference.generate(
+                prompt,
+                pixel_values=pixels,
+                generation_config=config,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        generated = model.generate(
+            prompt,
+            pixel_values=pixels,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            return_type="tokens",
+            verbose=False,
+            stop_at_eos=False,
+        )
+        # TransformerLens 3.9 does not force the end token at the length limit, as Hugging Face
+        # does where the config names one (Florence-2's does): up to there, the same tokens.
+        assert generated[:, :-1].tolist() == expected[:, :-1].tolist()
+        picked.append(expected.tolist())
+    assert picked[0] != picked[1], "the image changes Hugging Face's tokens"
 
 
 def _decoded_step_by_step(model: Any, prompt: torch.Tensor, inputs: dict[str, Any]) -> list[int]:
