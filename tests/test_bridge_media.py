@@ -245,19 +245,76 @@ def test_an_uncached_generate_sees_the_image_or_sound_at_every_step(
     inputs, extended (stock TransformerLens 3.9 and 4.3 give them to the first step only). Where
     the tiny model picks its own image token, Hugging Face's uncached ``generate`` raises, and so
     does the bridge's."""
-    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_cache=False)
+
+
+def _assert_generates_as_hugging_face(
+    model: Any,
+    reference: Any,
+    prompt: torch.Tensor,
+    inputs: dict[str, Any],
+    use_cache: bool,
+    **options: Any,
+) -> None:
+    """``model.generate`` of ``prompt`` with ``inputs`` and ``options`` picks the tokens of
+    Hugging Face's own ``generate``, both cached or both not; where Hugging Face's raises (a
+    tiny model that picks its own image token, uncached), the bridge's raises too."""
     greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
-    uncached = {"use_past_kv_cache": False, "verbose": False, "stop_at_eos": False, **greedy}
+    bridge_s = {"use_past_kv_cache": use_cache, "verbose": False, "stop_at_eos": False, **greedy}
     try:
-        hugging_face_s_uncached = _hugging_face_s_own(reference, prompt, use_cache=False, **inputs)
+        expected = _hugging_face_s_own(reference, prompt, use_cache, **options, **inputs)
     except ValueError as error:
         assert "do not match" in str(error)  # more placeholders than features
         with pytest.raises(ValueError, match="do not match"):
-            model.generate(prompt, **uncached, **inputs)
+            model.generate(prompt, **bridge_s, **options, **inputs)
         return
-    assert hugging_face_s_uncached.tolist() == expected.tolist()
-    generated = model.generate(prompt, **uncached, **inputs)
+    generated = model.generate(prompt, **bridge_s, **options, **inputs)
     assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
+
+
+def _left_padded_batch(
+    prompt: torch.Tensor, inputs: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Two prompts: ``prompt`` with its image (or sound), left-padded, and one two words longer
+    with the same placeholders and a black image (or silence); their attention mask, and the
+    inputs that carry both."""
+    words = models.load_tokenizer()(PROMPT + " the cat", return_tensors="pt")["input_ids"][0]
+    media = prompt[0, 1:-2]  # PROMPT's first word, the placeholders, its last two words
+    longer = torch.cat([words[:1], media, words[1:]])
+    shorter = torch.cat([torch.zeros(len(longer) - prompt.shape[1], dtype=torch.long), prompt[0]])
+    batch = torch.stack([shorter, longer])
+    mask = torch.ones_like(batch)
+    mask[0, : len(longer) - prompt.shape[1]] = 0
+    both: dict[str, torch.Tensor] = {}
+    for name, value in inputs.items():
+        if name == "mm_token_type_ids":
+            both[name] = (batch == models.vocab_size() + IMAGE_TOKEN).long()
+        elif name in ("pixel_values", "input_features"):
+            both[name] = torch.cat([value, torch.zeros_like(value)])
+        else:  # the image's grid, the sound's mask: the same for both
+            both[name] = torch.cat([value, value])
+    return batch, mask, both
+
+
+@pytest.mark.parametrize("use_past_kv_cache", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
+def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_does(
+    architecture: str,
+    use_past_kv_cache: bool,
+    tmp_path: Path,
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """Two prompts of different lengths, each with its own image (or sound), left-padded, with
+    their ``attention_mask``: ``generate`` picks Hugging Face's tokens for both, cached and
+    uncached (Hugging Face's generate cached, and uncached)."""
+    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    if "attention_mask" not in inspect.signature(model.generate).parameters:
+        pytest.skip("this TransformerBridge.generate takes no attention_mask")
+    batch, mask, both = _left_padded_batch(prompt, inputs)
+    _assert_generates_as_hugging_face(
+        model, reference, batch, both, use_past_kv_cache, attention_mask=mask
+    )
 
 
 def test_an_encoder_decoder_bridge_generates_from_an_image_as_hugging_face_does(
