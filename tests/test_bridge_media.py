@@ -6,10 +6,11 @@ every later step reads them only from the cache; the multimodal rotary positions
 Qwen's and GLM-4V's generated tokens also depend on the image's grid. Hugging Face's own cached
 ``generate`` of the same checkpoint is the reference. The tiny checkpoints of
 ``benchmarks/bridge_architectures.py`` are copied with their image or audio tokens moved into the
-tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but Llava need
-torchvision (TransformerLens's adapters import it), which the CI machines lack: their runs are
-recorded in ``docs/reliability.md``, and the fix they need is also tested on Hugging Face's
-Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing more.
+tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but Llava and
+Mistral 3 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
+their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
+Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
+more. Gemma 3's tiny checkpoint is left out: it picks the same token whatever its prompt.
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
@@ -41,6 +42,7 @@ NEW_TOKENS = 8
 PROMPT = "the cat runs"
 IMAGE_MODELS = [
     "LlavaForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
@@ -49,7 +51,7 @@ IMAGE_MODELS = [
     "Glm4vForConditionalGeneration",
 ]
 #: TransformerLens's adapters for these import torchvision.
-NEEDS_TORCHVISION = set(IMAGE_MODELS[1:])
+NEEDS_TORCHVISION = set(IMAGE_MODELS[2:])
 AUDIO_MODELS = [
     "Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration",
@@ -140,11 +142,17 @@ def _image_prompt(
         placeholders = side * side // merge**2
         image = [vocabulary + VISION_START, *[vocabulary + IMAGE_TOKEN] * placeholders]
         image.append(vocabulary + VISION_END)
-    else:  # Llava: one placeholder per patch of the CLIP tower
+    else:  # Llava, Mistral 3: one placeholder per feature the tower and projector put out
         size = vision.image_size
-        pixels = torch.randn(1, 3, size, size, generator=generator)
-        inputs = {"pixel_values": pixels}
-        image = [vocabulary + IMAGE_TOKEN] * (size // vision.patch_size) ** 2
+        inputs = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
+        if vision.model_type == "pixtral":  # Mistral 3's tower asks each image's size
+            inputs["image_sizes"] = torch.tensor([[size, size]])
+        with torch.no_grad():
+            features = reference.get_image_features(**inputs)
+        features = getattr(features, "pooler_output", features)
+        if isinstance(features, (list, tuple)):  # one tensor per image
+            features = torch.cat([image.reshape(-1, image.shape[-1]) for image in features])
+        image = [vocabulary + IMAGE_TOKEN] * features.reshape(-1, features.shape[-1]).shape[0]
     prompt = torch.cat([words[:1], torch.tensor(image), words[1:]]).unsqueeze(0)
     if "mm_token_type_ids" in inspect.signature(reference.forward).parameters:
         # Qwen3-VL asks which tokens are image placeholders, as its processor says (1 = image).
