@@ -6,8 +6,8 @@ every later step reads them only from the cache; the multimodal rotary positions
 Qwen's and GLM-4V's generated tokens also depend on the image's grid. Hugging Face's own cached
 ``generate`` of the same checkpoint is the reference. The tiny checkpoints of
 ``benchmarks/bridge_architectures.py`` are copied with their image or audio tokens moved into the
-tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but Llava and
-Mistral 3 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
+tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but the Llavas
+and Mistral 3 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
 their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
 Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
 more. Gemma 3's tiny checkpoint is left out: it picks the same token whatever its prompt.
@@ -42,6 +42,8 @@ NEW_TOKENS = 8
 PROMPT = "the cat runs"
 IMAGE_MODELS = [
     "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
@@ -51,7 +53,7 @@ IMAGE_MODELS = [
     "Glm4vForConditionalGeneration",
 ]
 #: TransformerLens's adapters for these import torchvision.
-NEEDS_TORCHVISION = set(IMAGE_MODELS[2:])
+NEEDS_TORCHVISION = set(IMAGE_MODELS[4:])
 AUDIO_MODELS = [
     "Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration",
@@ -80,6 +82,10 @@ def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -
     path = folder / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config.update({key: value for key, value in ids.items() if key in config})
+    if "image_grid_pinpoints" in config:
+        # LLaVA-NeXT, LLaVA-OneVision: tile images of the tiny tower's size, not 336-pixel ones.
+        size = config["vision_config"]["image_size"]
+        config["image_grid_pinpoints"] = [[size, 2 * size]]
     path.write_text(json.dumps(config), encoding="utf-8")
     return folder
 
@@ -142,11 +148,16 @@ def _image_prompt(
         placeholders = side * side // merge**2
         image = [vocabulary + VISION_START, *[vocabulary + IMAGE_TOKEN] * placeholders]
         image.append(vocabulary + VISION_END)
-    else:  # Llava, Mistral 3: one placeholder per feature the tower and projector put out
+    else:  # the Llavas, Mistral 3: one placeholder per feature the tower and projector put out
         size = vision.image_size
         inputs = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
         if vision.model_type == "pixtral":  # Mistral 3's tower asks each image's size
             inputs["image_sizes"] = torch.tensor([[size, size]])
+        if getattr(reference.config, "image_grid_pinpoints", None):
+            # Any resolution (LLaVA-NeXT, LLaVA-OneVision): one image twice as wide as high,
+            # as the whole image scaled down and its two tiles.
+            inputs["pixel_values"] = torch.randn(1, 3, 3, size, size, generator=generator)
+            inputs["image_sizes"] = torch.tensor([[size, 2 * size]])
         with torch.no_grad():
             features = reference.get_image_features(**inputs)
         features = getattr(features, "pooler_output", features)
