@@ -11,10 +11,10 @@ without a cache, get them at no step at all: the tokens are the same whatever th
 Face's own uncached ``generate`` passes them at every step.
 
 While such a ``generate`` runs, the bridge's call into the model (:mod:`bridge_model_call`)
-gives every uncached step what the prompt's step had, as Hugging Face's ``generate`` does: the
-inputs that hold one column per token of the prompt are extended by one column per generated
-token the way Hugging Face extends them (``mm_token_type_ids`` with zeros, text;
-``token_type_ids`` with its last column). Cached steps are left as they are: they read the
+gives every uncached step the media inputs ``generate`` was given, as Hugging Face's
+``generate`` does: the inputs that hold one column per token of the prompt are extended by one
+column per generated token the way Hugging Face extends them (``mm_token_type_ids`` with zeros,
+text; ``token_type_ids`` with its last column). Cached steps are left as they are: they read the
 image from the cache.
 """
 
