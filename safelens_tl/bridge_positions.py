@@ -42,10 +42,12 @@ def reads_positions_not_cache_position(model_class: type) -> bool:
     return known
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def model_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The ``[batch, pos, ...]`` input of a call into the model: its first positional argument,
+    ``input_ids`` or ``inputs_embeds``, whichever is such a tensor first."""
     for candidate in (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
         if isinstance(candidate, torch.Tensor) and candidate.dim() >= 2:
-            return int(candidate.shape[0])
+            return candidate
     return None
 
 
@@ -62,5 +64,5 @@ def add_positions_from_cache_position(
     ):
         return
     positions = cache_position.unsqueeze(0)
-    batch = _batch_size(args, kwargs)
-    kwargs["position_ids"] = positions if batch is None else positions.expand(batch, -1)
+    given = model_input(args, kwargs)
+    kwargs["position_ids"] = positions if given is None else positions.expand(given.shape[0], -1)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from safelens_tl import bridge_positions
+
 #: Inputs with one column per token, and how Hugging Face's ``generate`` extends them by one
 #: generated token: ``True`` with zeros (a text token), ``False`` with the last column.
 PER_TOKEN_INPUTS: dict[str, bool] = {
@@ -96,13 +98,6 @@ def _media_of_this_generate(values: dict[str, Any]) -> Iterator[None]:
         _running.reset(token)
 
 
-def _input_length(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    for candidate in (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
-        if isinstance(candidate, torch.Tensor) and candidate.dim() >= 2:
-            return int(candidate.shape[1])
-    return None
-
-
 def _is_cached(kwargs: dict[str, Any]) -> bool:
     return any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS)
 
@@ -125,7 +120,8 @@ def restore_media(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     media = _running.get()
     if media is None:
         return
-    length = _input_length(args, kwargs)
+    given = bridge_positions.model_input(args, kwargs)
+    length = None if given is None else int(given.shape[1])
     if media.prompt_length is None:
         media.prompt_length = length
     if _is_cached(kwargs):

@@ -171,17 +171,26 @@ def _image_prompt(
     return prompt, inputs
 
 
-def _hugging_face_s_own(
+#: TransformerBridge's ``generate`` as the tests run it: greedy, never stopped at the
+#: end-of-sequence token, the tokens back.
+BRIDGE_GREEDY = {
+    "max_new_tokens": NEW_TOKENS,
+    "do_sample": False,
+    "return_type": "tokens",
+    "verbose": False,
+    "stop_at_eos": False,
+}
+
+
+def _hugging_face_s_generate(
     reference: Any, prompt: torch.Tensor, use_cache: bool = True, **inputs: Any
 ) -> torch.Tensor:
-    """The tokens Hugging Face's own ``generate`` picks, by default cached. (Uncached, a tiny
-    model may generate its own image (or audio) token, which every later step takes for one more
-    placeholder than the image has features: ``ValueError``.)"""
-    # Never stopped at the end-of-sequence token, as the bridge is told (stop_at_eos=False).
+    """What Hugging Face's own greedy ``generate`` returns for :data:`NEW_TOKENS` tokens, by
+    default cached, never stopped at the end-of-sequence token (as the bridge is told)."""
     config = copy.deepcopy(reference.generation_config)
     config.eos_token_id = []  # None would fall back to the model config's
     with torch.no_grad():
-        generated = reference.generate(
+        generated: torch.Tensor = reference.generate(
             prompt,
             generation_config=config,
             max_new_tokens=NEW_TOKENS,
@@ -189,6 +198,16 @@ def _hugging_face_s_own(
             use_cache=use_cache,
             **inputs,
         )
+    return generated
+
+
+def _hugging_face_s_own(
+    reference: Any, prompt: torch.Tensor, use_cache: bool = True, **inputs: Any
+) -> torch.Tensor:
+    """The tokens Hugging Face's own ``generate`` picks, by default cached. (Uncached, a tiny
+    model may generate its own image (or audio) token, which every later step takes for one more
+    placeholder than the image has features: ``ValueError``.)"""
+    generated = _hugging_face_s_generate(reference, prompt, use_cache, **inputs)
     assert generated.shape[1] == prompt.shape[1] + NEW_TOKENS
     tokens: torch.Tensor = generated[:, -NEW_TOKENS:]
     return tokens
@@ -240,11 +259,9 @@ def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_f
     audio-text models fail this with transformers 5.25: the cache is ignored, and every step
     after the prompt's forward sees neither the image nor the text.)"""
     model, prompt, inputs, expected, reference = _bridge_with_media_prompt(architecture, tmp_path)
-    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
-    generated = model.generate(
-        prompt, use_past_kv_cache=True, verbose=False, stop_at_eos=False, **greedy, **inputs
-    )
+    generated = model.generate(prompt, use_past_kv_cache=True, **BRIDGE_GREEDY, **inputs)
     assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
     through_hugging_face = model.hf_generate(
         prompt, use_past_kv_cache=True, use_cache=True, stop_at_eos=False, **greedy, **inputs
     )
@@ -279,8 +296,7 @@ def _assert_generates_as_hugging_face(
     """``model.generate`` of ``prompt`` with ``inputs`` and ``options`` picks the tokens of
     Hugging Face's own ``generate``, both cached or both not; where Hugging Face's raises (a
     tiny model that picks its own image token, uncached), the bridge's raises too."""
-    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
-    bridge_s = {"use_past_kv_cache": use_cache, "verbose": False, "stop_at_eos": False, **greedy}
+    bridge_s = {"use_past_kv_cache": use_cache, **BRIDGE_GREEDY}
     try:
         expected = _hugging_face_s_own(reference, prompt, use_cache, **options, **inputs)
     except ValueError as error:
@@ -354,28 +370,11 @@ def test_an_encoder_decoder_bridge_generates_from_an_image_as_hugging_face_does(
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
     image = torch.full((placeholders,), models.vocab_size() + IMAGE_TOKEN)
     prompt = torch.cat([image, words]).unsqueeze(0)
-    config = copy.deepcopy(reference.generation_config)
-    config.eos_token_id = []
     model = _boot_unless_stock_cannot(folder)
     picked = []
     for pixels in images:
-        with torch.no_grad():
-            expected = reference.generate(
-                prompt,
-                pixel_values=pixels,
-                generation_config=config,
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-        generated = model.generate(
-            prompt,
-            pixel_values=pixels,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            return_type="tokens",
-            verbose=False,
-            stop_at_eos=False,
-        )
+        expected = _hugging_face_s_generate(reference, prompt, pixel_values=pixels)
+        generated = model.generate(prompt, pixel_values=pixels, **BRIDGE_GREEDY)
         # TransformerLens 3.9 does not force the end token at the length limit, as Hugging Face
         # does where the config names one (Florence-2's does): up to there, the same tokens.
         assert generated[:, :-1].tolist() == expected[:, :-1].tolist()
