@@ -59,11 +59,16 @@ _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
 WINDOW = 4
 _WINDOW = {"sliding_window": WINDOW}
 _SLIDING = {**_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+#: Gemma 3n and 4 add a small embedding per layer to every token's input: 8 wide, and one row per
+#: token of the tokenizer (:func:`_language_config`). Their defaults (262,144 rows of 256 per
+#: layer) made the tiny Gemma 4 checkpoint 0.5 GB, and with images 1.1 GB, which filled CI's disk.
+_PER_LAYER_INPUT = {"hidden_size_per_layer_input": 8}
 #: Key-value sharing (Gemma 3n, Gemma 4 E2B/E4B): the last two of four layers compute no keys or
 #: values of their own and attend over those of the last earlier layer of their type, which the
 #: cache does not hold for them.
 _KV_SHARED = {
     **_WINDOW,
+    **_PER_LAYER_INPUT,
     "num_hidden_layers": 4,
     "num_kv_shared_layers": 2,
     "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -71,7 +76,6 @@ _KV_SHARED = {
 #: Gemma 3n's language model: key-value sharing, AltUp, per-layer inputs, sparse activations.
 _GEMMA_3N = {
     **_KV_SHARED,
-    "hidden_size_per_layer_input": 8,
     "laurel_rank": 4,
     "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
 }
@@ -231,7 +235,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "ExaoneForCausalLM": ("ExaoneConfig", {"num_layers": 2}),
     "Exaone4ForCausalLM": ("Exaone4Config", _SLIDING),
     "FlexOlmoForCausalLM": ("FlexOlmoConfig", _EXPERTS),
-    "Gemma4ForCausalLM": ("Gemma4TextConfig", _SLIDING),
+    "Gemma4ForCausalLM": ("Gemma4TextConfig", {**_SLIDING, **_PER_LAYER_INPUT}),
     "GlmForCausalLM": ("GlmConfig", {}),
     "Glm4ForCausalLM": ("Glm4Config", {}),
     "Glm4MoeForCausalLM": ("Glm4MoeConfig", _MOE),
@@ -357,6 +361,12 @@ TINY_VISION: dict[str, Any] = {
     "out_hidden_size": 64,
     "image_size": 32,
     "patch_size": 8,
+    # Llama 4's projector and Gemma 4 Unified's embedder (4096 and 3840 wide by default).
+    "vision_output_dim": 32,
+    "projector_input_dim": 32,
+    "projector_output_dim": 32,
+    "mm_embed_dim": 32,
+    "output_proj_dims": 32,
 }
 #: Towers :data:`TINY_VISION` cannot shrink: architecture -> sub-config -> its settings.
 TOWERS: dict[str, dict[str, dict[str, Any]]] = {
@@ -383,9 +393,14 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
-#: Settings of the composite config itself: Emu3's map from image-tokenizer codes to its vocabulary
-#: (text needs none of them, but the model reads the map when built).
-COMPOSITE: dict[str, dict[str, Any]] = {"Emu3ForConditionalGeneration": {"vocabulary_map": {}}}
+#: Settings of the composite config itself (text needs none of them, but the model reads them when
+#: built).
+COMPOSITE: dict[str, dict[str, Any]] = {
+    # Its map from image-tokenizer codes to its vocabulary.
+    "Emu3ForConditionalGeneration": {"vocabulary_map": {}},
+    # Its adapter from the vision tower (4096 x 6144 by default): the tower's 32 wide x 2 x 2.
+    "MuseGlimmerForConditionalGeneration": {"out_hidden_size": 128, "projector_hidden_size": 32},
+}
 #: Audio-text decoders (an audio encoder before a causal language model), generating text only,
 #: as :data:`VISION_LANGUAGE`; their audio towers take the sizes of :data:`TINY_AUDIO` they have.
 AUDIO_LANGUAGE: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -607,6 +622,8 @@ def _language_config(config_name: str, settings: dict[str, Any], tokenizer: Any)
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if "hidden_size_per_layer_input" in merged:
+        merged["vocab_size_per_layer_input"] = merged["vocab_size"]
     return _config_class(config_name)(
         **{key: value for key, value in merged.items() if value is not None}
     )

@@ -388,24 +388,38 @@ def test_bridge_architectures_refuses_an_unknown_architecture() -> None:
     assert "unknown ['NoSuchForCausalLM']" in done.stderr
 
 
+#: The largest a tiny checkpoint may be. Every test run saves each one or more times, two test
+#: environments at once on CI: Gemma 4's default per-layer embeddings (1.1 GB with its vision
+#: tower) filled CI's disk. The largest now is DeepSeek-V4's, 41 MB.
+TINY_CHECKPOINT_BYTES = 64 * 2**20
+
+
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_no_architecture_generates_worse_patched_than_stock() -> None:
     """Every architecture of ``benchmarks/bridge_architectures.py``: cached generation with
     safelens-tl agrees with uncached, or fails exactly as stock does (a TransformerLens problem
     of its own, e.g. Falcon on 3.0). Never wrong where stock is right. (That a fix is kept, where
     stock is wrong, is tested per fix: the Llama and GPT-2 tests, and
-    ``test_attention_that_reads_the_cache_in_its_own_forward_generates_right``.)"""
+    ``test_attention_that_reads_the_cache_in_its_own_forward_generates_right``.) No checkpoint
+    is larger than :data:`TINY_CHECKPOINT_BYTES`."""
     architectures = benchmark_module("bridge_architectures")
+    oversized = {}
     for name in architectures.ALL_ARCHITECTURES:
         try:
             folder = architectures.build(name)
         except Exception:  # an architecture this transformers lacks, or cannot build tiny
             continue
-        patched = architectures.run(folder, active=True)
-        if patched.right():
-            continue
-        stock = architectures.run(folder, active=False)
+        size = sum(path.stat().st_size for path in Path(folder).rglob("*") if path.is_file())
+        if size > TINY_CHECKPOINT_BYTES:
+            oversized[name] = size
+        try:
+            patched = architectures.run(folder, active=True)
+            stock = patched if patched.right() else architectures.run(folder, active=False)
+        finally:
+            # A hundred checkpoints, kept to the end of the run, filled CI's disk.
+            shutil.rmtree(folder)
         assert stock == patched, (name, patched, stock)
+    assert not oversized, f"checkpoints over {TINY_CHECKPOINT_BYTES} bytes: {oversized}"
 
 
 def test_a_benchmark_refuses_to_call_stock_patched_when_safelens_tl_does_not_activate(
