@@ -382,6 +382,8 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
             "hidden_size": 32,
         }
     },
+    # Its pixel shuffle turns 32 wide patches into 128 wide ones, which its adapter takes.
+    "Llama4ForConditionalGeneration": {"vision_config": {"intermediate_size": 128}},
     "Gemma3nForConditionalGeneration": {
         "vision_config": {"architecture": "mobilenetv5_base"},  # timm's smallest MobileNet-V5
         "audio_config": {

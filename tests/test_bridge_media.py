@@ -6,8 +6,8 @@ every later step reads them only from the cache; the multimodal rotary positions
 Qwen's and GLM-4V's generated tokens also depend on the image's grid. Hugging Face's own cached
 ``generate`` of the same checkpoint is the reference. The tiny checkpoints of
 ``benchmarks/bridge_architectures.py`` are copied with their image or audio tokens moved into the
-tiny vocabulary (their default ids lie beyond it). Of the vision-language ones all but the Llavas
-and Mistral 3 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
+tiny vocabulary (their default ids lie beyond it). Of the vision-language ones the Qwens and GLM-4V
+need torchvision (TransformerLens's adapters import it), which the CI machines lack:
 their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
 Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
 more. Gemma 3's tiny checkpoint is left out: it picks the same token whatever its prompt.
@@ -45,6 +45,8 @@ IMAGE_MODELS = [
     "LlavaNextForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
@@ -53,7 +55,7 @@ IMAGE_MODELS = [
     "Glm4vForConditionalGeneration",
 ]
 #: TransformerLens's adapters for these import torchvision.
-NEEDS_TORCHVISION = set(IMAGE_MODELS[4:])
+NEEDS_TORCHVISION = {name for name in IMAGE_MODELS if name.startswith(("Qwen", "Glm"))}
 AUDIO_MODELS = [
     "Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration",
@@ -148,9 +150,13 @@ def _image_prompt(
         placeholders = side * side // merge**2
         image = [vocabulary + VISION_START, *[vocabulary + IMAGE_TOKEN] * placeholders]
         image.append(vocabulary + VISION_END)
-    else:  # the Llavas, Mistral 3: one placeholder per feature the tower and projector put out
+    else:  # one placeholder per feature the tower and projector put out
         size = vision.image_size
         inputs = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
+        if "pixel_attention_mask" in inspect.signature(reference.forward).parameters:
+            # Idefics3: images by prompt, each with the mask of its real (unpadded) pixels.
+            inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(0)
+            inputs["pixel_attention_mask"] = torch.ones(1, 1, size, size, dtype=torch.bool)
         if vision.model_type == "pixtral":  # Mistral 3's tower asks each image's size
             inputs["image_sizes"] = torch.tensor([[size, size]])
         if getattr(reference.config, "image_grid_pinpoints", None):
@@ -160,7 +166,10 @@ def _image_prompt(
             inputs["image_sizes"] = torch.tensor([[size, 2 * size]])
         with torch.no_grad():
             features = reference.get_image_features(**inputs)
-        features = getattr(features, "pooler_output", features)
+        if getattr(features, "pooler_output", None) is not None:
+            features = features.pooler_output
+        elif hasattr(features, "last_hidden_state"):  # Llama 4 with transformers 5.23
+            features = features.last_hidden_state
         if isinstance(features, (list, tuple)):  # one tensor per image
             features = torch.cat([image.reshape(-1, image.shape[-1]) for image in features])
         image = [vocabulary + IMAGE_TOKEN] * features.reshape(-1, features.shape[-1]).shape[0]
@@ -312,8 +321,8 @@ def _left_padded_batch(
     prompt: torch.Tensor, inputs: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Two prompts: ``prompt`` with its image (or sound), left-padded, and one two words longer
-    with the same placeholders and a black image (or silence); their attention mask, and the
-    inputs that carry both."""
+    with the same placeholders and the negative of the image (or silence); their attention mask,
+    and the inputs that carry both."""
     words = models.load_tokenizer()(PROMPT + " the cat", return_tensors="pt")["input_ids"][0]
     media = prompt[0, 1:-2]  # PROMPT's first word, the placeholders, its last two words
     longer = torch.cat([words[:1], media, words[1:]])
@@ -325,7 +334,10 @@ def _left_padded_batch(
     for name, value in inputs.items():
         if name == "mm_token_type_ids":
             both[name] = (batch == models.vocab_size() + IMAGE_TOKEN).long()
-        elif name in ("pixel_values", "input_features"):
+        elif name == "pixel_values":
+            # Not a black image: Idefics3 drops an image of zeros as padding.
+            both[name] = torch.cat([value, -value])
+        elif name == "input_features":
             both[name] = torch.cat([value, torch.zeros_like(value)])
         else:  # the image's grid, the sound's mask: the same for both
             both[name] = torch.cat([value, value])
