@@ -63,8 +63,15 @@ AUDIO_MODELS = [
     "GlmAsrForConditionalGeneration",
 ]
 #: Qwen's placeholders and the tokens around an image (Llava reads only the placeholder); the
-#: audio placeholder takes the image's id.
-IMAGE_TOKEN, VISION_START, VISION_END = -1, -2, -3
+#: audio placeholder takes the image's id; the video placeholder, only in the video tests.
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = -1, -2, -3, -4
+#: Those that take a video (``pixel_values_videos``). GLM-4V takes its frames as images between
+#: video tokens, which these tests do not build.
+VIDEO_MODELS = [
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+]
 
 
 def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -> Path:
@@ -90,6 +97,44 @@ def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -
         config["image_grid_pinpoints"] = [[size, 2 * size]]
     path.write_text(json.dumps(config), encoding="utf-8")
     return folder
+
+
+def _with_video_token_in_the_vocabulary(architecture: str, destination: Path) -> Path:
+    """:func:`_with_media_tokens_in_the_vocabulary`, and the video placeholder too."""
+    folder = _with_media_tokens_in_the_vocabulary(architecture, destination)
+    path = folder / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["video_token_id"] = models.vocab_size() + VIDEO_TOKEN
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:data:`PROMPT` with a random video (seed 0) of two frames (one step of the tower's
+    temporal patches, each frame a grid of 2 x 2 merged patches) after its first word, and the
+    inputs that carry it. Qwen2.5-VL's processor puts the whole video between one pair of vision
+    tokens, the later ones each frame (after its timestamp, left out here)."""
+    vocabulary = models.vocab_size()
+    vision = reference.config.vision_config
+    merge, side, frames = vision.spatial_merge_size, 2 * vision.spatial_merge_size, 2
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "pixel_values_videos": torch.randn(frames * side * side, patch, generator=generator),
+        "video_grid_thw": torch.tensor([[frames, side, side]]),
+    }
+    per_frame = side * side // merge**2
+    group = [vocabulary + VISION_START, *[vocabulary + VIDEO_TOKEN] * per_frame]
+    group.append(vocabulary + VISION_END)
+    if reference.config.model_type == "qwen2_5_vl":
+        video = [group[0], *[vocabulary + VIDEO_TOKEN] * (per_frame * frames), group[-1]]
+    else:
+        video = group * frames
+    words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
+    prompt = torch.cat([words[:1], torch.tensor(video), words[1:]]).unsqueeze(0)
+    if "mm_token_type_ids" in inspect.signature(reference.forward).parameters:
+        inputs["mm_token_type_ids"] = 2 * (prompt == vocabulary + VIDEO_TOKEN).long()  # 2 = video
+    return prompt, inputs
 
 
 def _media_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -364,6 +409,30 @@ def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_doe
     )
 
 
+@pytest.mark.parametrize("use_past_kv_cache", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("architecture", VIDEO_MODELS)
+def test_a_bridge_generates_from_a_video_as_hugging_face_does(
+    architecture: str,
+    use_past_kv_cache: bool,
+    tmp_path: Path,
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """``generate`` with ``pixel_values_videos`` and ``video_grid_thw`` picks Hugging Face's
+    own tokens, which the video changes, cached and uncached. (Stock: the cached Qwen2.5-VL and
+    Qwen3-VL raise at the second step, as with an image; the rest pick other tokens.)"""
+    pytest.importorskip("torchvision")
+    folder = _with_video_token_in_the_vocabulary(architecture, tmp_path)
+    reference = bridge.reference_from(folder, torch.float32)
+    prompt, inputs = _video_prompt(reference)
+    without_video = prompt.where(prompt < models.vocab_size() + VIDEO_TOKEN, prompt[0, -1])
+    assert not torch.equal(
+        _hugging_face_s_own(reference, without_video),
+        _hugging_face_s_own(reference, prompt, **inputs),
+    )
+    model = _boot_unless_stock_cannot(folder)
+    _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_past_kv_cache)
+
+
 def test_an_encoder_decoder_bridge_generates_from_an_image_as_hugging_face_does(
     tmp_path: Path, patched: safelens_tl.activation.Status
 ) -> None:
@@ -410,16 +479,18 @@ def _decoded_step_by_step(model: Any, prompt: torch.Tensor, inputs: dict[str, An
     return generated
 
 
+@pytest.mark.parametrize("media", ["image", "video"])
 def test_a_multimodal_rotary_model_stepped_without_positions_decodes_as_hugging_face_s_generate(
-    tmp_path: Path, patched: safelens_tl.activation.Status
+    media: str, tmp_path: Path, patched: safelens_tl.activation.Status
 ) -> None:
     """Hugging Face's Qwen2.5-VL itself (no TransformerLens, so no torchvision), stepped as the
-    bridge steps it, once fitted (:mod:`safelens_tl.bridge_mrope_positions`, what the bridge does
-    at its first call) picks the tokens of its own ``generate``; unfitted, a step of one token
-    gets a position for every column of the mask, and the next step fails."""
-    folder = _with_media_tokens_in_the_vocabulary("Qwen2_5_VLForConditionalGeneration", tmp_path)
+    bridge steps it from an image or a video, once fitted
+    (:mod:`safelens_tl.bridge_mrope_positions`, what the bridge does at its first call) picks the
+    tokens of its own ``generate``; unfitted, a step of one token gets a position for every column
+    of the mask, and the next step fails."""
+    folder = _with_video_token_in_the_vocabulary("Qwen2_5_VLForConditionalGeneration", tmp_path)
     reference = bridge.reference_from(folder, torch.float32)
-    prompt, inputs = _media_prompt(reference)
+    prompt, inputs = _media_prompt(reference) if media == "image" else _video_prompt(reference)
     if "mm_token_type_ids" not in inputs:
         pytest.skip("this transformers computes Qwen2.5-VL's positions without mm_token_type_ids")
     expected = _hugging_face_s_own(reference, prompt, **inputs)
