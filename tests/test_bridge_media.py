@@ -74,9 +74,12 @@ VIDEO_MODELS = [
 ]
 
 
-def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -> Path:
+def _with_media_tokens_in_the_vocabulary(
+    architecture: str, destination: Path, video: bool = False
+) -> Path:
     """A copy of the tiny checkpoint whose image (or audio) tokens are the vocabulary's last
-    ids."""
+    ids; with ``video``, its video placeholder too (left out of the others, so that no token they
+    generate is taken for a video's)."""
     folder = destination / architecture
     shutil.copytree(architecture_folder(architecture), folder)
     vocabulary = models.vocab_size()
@@ -88,6 +91,8 @@ def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -
         "vision_start_token_id": vocabulary + VISION_START,
         "vision_end_token_id": vocabulary + VISION_END,
     }
+    if video:
+        ids["video_token_id"] = vocabulary + VIDEO_TOKEN
     path = folder / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config.update({key: value for key, value in ids.items() if key in config})
@@ -95,16 +100,6 @@ def _with_media_tokens_in_the_vocabulary(architecture: str, destination: Path) -
         # LLaVA-NeXT, LLaVA-OneVision: tile images of the tiny tower's size, not 336-pixel ones.
         size = config["vision_config"]["image_size"]
         config["image_grid_pinpoints"] = [[size, 2 * size]]
-    path.write_text(json.dumps(config), encoding="utf-8")
-    return folder
-
-
-def _with_video_token_in_the_vocabulary(architecture: str, destination: Path) -> Path:
-    """:func:`_with_media_tokens_in_the_vocabulary`, and the video placeholder too."""
-    folder = _with_media_tokens_in_the_vocabulary(architecture, destination)
-    path = folder / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config["video_token_id"] = models.vocab_size() + VIDEO_TOKEN
     path.write_text(json.dumps(config), encoding="utf-8")
     return folder
 
@@ -123,13 +118,12 @@ def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
         "pixel_values_videos": torch.randn(frames * side * side, patch, generator=generator),
         "video_grid_thw": torch.tensor([[frames, side, side]]),
     }
-    per_frame = side * side // merge**2
-    group = [vocabulary + VISION_START, *[vocabulary + VIDEO_TOKEN] * per_frame]
-    group.append(vocabulary + VISION_END)
+    frame = [vocabulary + VIDEO_TOKEN] * (side * side // merge**2)
+    start, end = vocabulary + VISION_START, vocabulary + VISION_END
     if reference.config.model_type == "qwen2_5_vl":
-        video = [group[0], *[vocabulary + VIDEO_TOKEN] * (per_frame * frames), group[-1]]
+        video = [start, *frame * frames, end]
     else:
-        video = group * frames
+        video = [start, *frame, end] * frames
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
     prompt = torch.cat([words[:1], torch.tensor(video), words[1:]]).unsqueeze(0)
     if "mm_token_type_ids" in inspect.signature(reference.forward).parameters:
@@ -284,18 +278,20 @@ def _boot_unless_stock_cannot(folder: Path) -> Any:
 
 
 def _bridge_with_media_prompt(
-    architecture: str, destination: Path
+    architecture: str, destination: Path, video: bool = False
 ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any]:
     """The bridge of the tiny ``architecture`` with its media tokens in the vocabulary, a prompt
-    with an image or a sound, the inputs that carry it, the tokens Hugging Face's own
-    ``generate`` picks for it (which the image or sound changes), and Hugging Face's model."""
+    with an image or a sound (with ``video``, a video), the inputs that carry it, the tokens
+    Hugging Face's own ``generate`` picks for it (which the media changes), and Hugging Face's
+    model."""
     if architecture in NEEDS_TORCHVISION:
         pytest.importorskip("torchvision")
-    folder = _with_media_tokens_in_the_vocabulary(architecture, destination)
+    folder = _with_media_tokens_in_the_vocabulary(architecture, destination, video)
     reference = bridge.reference_from(folder, torch.float32)
-    prompt, inputs = _media_prompt(reference)
+    prompt, inputs = _video_prompt(reference) if video else _media_prompt(reference)
     expected = _hugging_face_s_own(reference, prompt, **inputs)
-    without_media = prompt.where(prompt < models.vocab_size() + VISION_END, prompt[0, -1])
+    # Every media token (the vocabulary's last four ids) replaced by a word.
+    without_media = prompt.where(prompt < models.vocab_size() + VIDEO_TOKEN, prompt[0, -1])
     assert not torch.equal(_hugging_face_s_own(reference, without_media), expected)
     model = _boot_unless_stock_cannot(folder)
     parameters = inspect.signature(model.generate).parameters.values()
@@ -420,16 +416,9 @@ def test_a_bridge_generates_from_a_video_as_hugging_face_does(
     """``generate`` with ``pixel_values_videos`` and ``video_grid_thw`` picks Hugging Face's
     own tokens, which the video changes, cached and uncached. (Stock: the cached Qwen2.5-VL and
     Qwen3-VL raise at the second step, as with an image; the rest pick other tokens.)"""
-    pytest.importorskip("torchvision")
-    folder = _with_video_token_in_the_vocabulary(architecture, tmp_path)
-    reference = bridge.reference_from(folder, torch.float32)
-    prompt, inputs = _video_prompt(reference)
-    without_video = prompt.where(prompt < models.vocab_size() + VIDEO_TOKEN, prompt[0, -1])
-    assert not torch.equal(
-        _hugging_face_s_own(reference, without_video),
-        _hugging_face_s_own(reference, prompt, **inputs),
+    model, prompt, inputs, _, reference = _bridge_with_media_prompt(
+        architecture, tmp_path, video=True
     )
-    model = _boot_unless_stock_cannot(folder)
     _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_past_kv_cache)
 
 
@@ -488,7 +477,9 @@ def test_a_multimodal_rotary_model_stepped_without_positions_decodes_as_hugging_
     (:mod:`safelens_tl.bridge_mrope_positions`, what the bridge does at its first call) picks the
     tokens of its own ``generate``; unfitted, a step of one token gets a position for every column
     of the mask, and the next step fails."""
-    folder = _with_video_token_in_the_vocabulary("Qwen2_5_VLForConditionalGeneration", tmp_path)
+    folder = _with_media_tokens_in_the_vocabulary(
+        "Qwen2_5_VLForConditionalGeneration", tmp_path, video=True
+    )
     reference = bridge.reference_from(folder, torch.float32)
     prompt, inputs = _media_prompt(reference) if media == "image" else _video_prompt(reference)
     if "mm_token_type_ids" not in inputs:
