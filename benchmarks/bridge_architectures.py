@@ -384,6 +384,8 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
     },
     # Its pixel shuffle turns 32 wide patches into 128 wide ones, which its adapter takes.
     "Llama4ForConditionalGeneration": {"vision_config": {"intermediate_size": 128}},
+    # Its tower's attention has 12 key/value heads of 64 by default, for 2 query heads here.
+    "Gemma4ForConditionalGeneration": {"vision_config": {"num_key_value_heads": 2, "head_dim": 16}},
     "Gemma3nForConditionalGeneration": {
         "vision_config": {"architecture": "mobilenetv5_base"},  # timm's smallest MobileNet-V5
         "audio_config": {
@@ -402,6 +404,8 @@ COMPOSITE: dict[str, dict[str, Any]] = {
     "Emu3ForConditionalGeneration": {"vocabulary_map": {}},
     # Its adapter from the vision tower (4096 x 6144 by default): the tower's 32 wide x 2 x 2.
     "MuseGlimmerForConditionalGeneration": {"out_hidden_size": 128, "projector_hidden_size": 32},
+    # Its projector pools the tower's 4 x 4 patches to a square of this many (16 x 16 by default).
+    "Gemma3ForConditionalGeneration": {"mm_tokens_per_image": 4},
 }
 #: Audio-text decoders (an audio encoder before a causal language model), generating text only,
 #: as :data:`VISION_LANGUAGE`; their audio towers take the sizes of :data:`TINY_AUDIO` they have.

@@ -10,7 +10,9 @@ tiny vocabulary (their default ids lie beyond it). Of the vision-language ones t
 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
 their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
 Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
-more. Gemma 3's tiny checkpoint is left out: it picks the same token whatever its prompt.
+more. Gemma's copies also get word embeddings a tenth as large: as built, the tiny Gemmas pick
+the same token whatever their prompt, image or none. Emu3 (whose images are codes of its own
+image tokenizer) and Gemma 3n (whose tower needs timm) are left out.
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 import safelens_tl
@@ -53,6 +56,10 @@ IMAGE_MODELS = [
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Glm4vForConditionalGeneration",
+    "MuseGlimmerForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
 ]
 #: TransformerLens's adapters for these import torchvision.
 NEEDS_TORCHVISION = {name for name in IMAGE_MODELS if name.startswith(("Qwen", "Glm"))}
@@ -71,6 +78,7 @@ VIDEO_MODELS = [
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
+    "MuseGlimmerForConditionalGeneration",
 ]
 
 
@@ -101,26 +109,44 @@ def _with_media_tokens_in_the_vocabulary(
         size = config["vision_config"]["image_size"]
         config["image_grid_pinpoints"] = [[size, 2 * size]]
     path.write_text(json.dumps(config), encoding="utf-8")
+    if config["model_type"].startswith("gemma"):
+        _quieter_word_embeddings(folder / "model.safetensors")
     return folder
+
+
+def _quieter_word_embeddings(checkpoint: Path) -> None:
+    """Gemma's word embeddings a tenth as large. Gemma multiplies them by the square root of its
+    width; with random weights its residual stream then holds the last token's embedding almost
+    alone, and with the same matrix as its output layer the tiny model picks that token again
+    whatever came before, image or none. Smaller, attention (and with it the image) counts."""
+    weights = safetensors.torch.load_file(checkpoint)
+    for name, tensor in weights.items():
+        if name.endswith("embed_tokens.weight"):
+            tensor.mul_(0.1)
+    safetensors.torch.save_file(weights, checkpoint, metadata={"format": "pt"})
 
 
 def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:data:`PROMPT` with a random video (seed 0) of two frames (one step of the tower's
     temporal patches, each frame a grid of 2 x 2 merged patches) after its first word, and the
     inputs that carry it. Qwen2.5-VL's processor puts the whole video between one pair of vision
-    tokens, the later ones each frame (after its timestamp, left out here)."""
+    tokens, the later Qwens each frame (after its timestamp, left out here); MuseGlimmer has no
+    such tokens."""
     vocabulary = models.vocab_size()
     vision = reference.config.vision_config
-    merge, side, frames = vision.spatial_merge_size, 2 * vision.spatial_merge_size, 2
-    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
-    generator = torch.Generator().manual_seed(0)
+    merge = getattr(vision, "spatial_merge_size", None) or vision.merge_size
+    side, frames = 2 * merge, 2
+    temporal = getattr(vision, "temporal_patch_size", None) or vision.patch_temporal
+    patch = 3 * temporal * vision.patch_size**2
     inputs = {
-        "pixel_values_videos": torch.randn(frames * side * side, patch, generator=generator),
+        "pixel_values_videos": torch.randn(frames * side * side, patch, generator=_seeded()),
         "video_grid_thw": torch.tensor([[frames, side, side]]),
     }
     frame = [vocabulary + VIDEO_TOKEN] * (side * side // merge**2)
     start, end = vocabulary + VISION_START, vocabulary + VISION_END
-    if reference.config.model_type == "qwen2_5_vl":
+    if not hasattr(vision, "spatial_merge_size"):  # MuseGlimmer
+        video = frame * frames
+    elif reference.config.model_type == "qwen2_5_vl":
         video = [start, *frame * frames, end]
     else:
         video = [start, *frame, end] * frames
@@ -135,7 +161,7 @@ def _media_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     """:data:`PROMPT` with one random image, or one random sound, after its first word, and the
     inputs that carry it."""
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
-    if hasattr(reference.config, "audio_config"):
+    if getattr(reference.config, "vision_config", None) is None:
         return _audio_prompt(reference, words)
     return _image_prompt(reference, words)
 
@@ -170,39 +196,62 @@ def _audio_prompt(
     return prompt, {"input_features": features, mask_name: mask}
 
 
+def _seeded() -> torch.Generator:
+    """The random numbers of every image, the same in every test."""
+    return torch.Generator().manual_seed(0)
+
+
+def _pixels(reference: Any) -> dict[str, torch.Tensor]:
+    """The inputs that carry one random image to a tower that takes whole images (or, Gemma 4,
+    patches with their positions) and says itself how many features it puts out."""
+    vision = reference.config.vision_config
+    if hasattr(vision, "pooling_kernel_size"):  # Gemma 4: patches and their (x, y)
+        side = 2 * vision.pooling_kernel_size
+        patch = getattr(vision, "model_patch_size", None) or vision.patch_size
+        x, y = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy")
+        return {
+            "pixel_values": torch.rand(1, side * side, 3 * patch**2, generator=_seeded()),
+            "image_position_ids": torch.stack([x.flatten(), y.flatten()], -1).unsqueeze(0),
+        }
+    size = vision.image_size
+    inputs = {"pixel_values": torch.randn(1, 3, size, size, generator=_seeded())}
+    if "pixel_attention_mask" in inspect.signature(reference.forward).parameters:
+        # Idefics3: images by prompt, each with the mask of its real (unpadded) pixels.
+        inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(0)
+        inputs["pixel_attention_mask"] = torch.ones(1, 1, size, size, dtype=torch.bool)
+    if vision.model_type == "pixtral":  # Mistral 3's tower asks each image's size
+        inputs["image_sizes"] = torch.tensor([[size, size]])
+    if getattr(reference.config, "image_grid_pinpoints", None):
+        # Any resolution (LLaVA-NeXT, LLaVA-OneVision): one image twice as wide as high,
+        # as the whole image scaled down and its two tiles.
+        inputs["pixel_values"] = torch.randn(1, 3, 3, size, size, generator=_seeded())
+        inputs["image_sizes"] = torch.tensor([[size, 2 * size]])
+    return inputs
+
+
 def _image_prompt(
     reference: Any, words: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A prompt with one random image (seed 0) between the first word of ``words`` and the rest,
-    and the inputs that carry the image: ``pixel_values`` and, for Qwen, the image's patch
-    grid."""
+    and the inputs that carry the image: ``pixel_values`` and, where the model asks, the image's
+    patch grid, patch positions, size or pixel mask."""
     vocabulary = models.vocab_size()
     vision = reference.config.vision_config
-    generator = torch.Generator().manual_seed(0)
-    if hasattr(vision, "spatial_merge_size"):  # Qwen: flattened patches on a grid
-        merge, side = vision.spatial_merge_size, 2 * vision.spatial_merge_size
-        patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
+    if merge:  # Qwen, GLM-4V, MuseGlimmer: flattened patches on a grid
+        side = 2 * merge
+        frames = getattr(vision, "temporal_patch_size", None) or vision.patch_temporal
         inputs = {
-            "pixel_values": torch.randn(side * side, patch, generator=generator),
+            "pixel_values": torch.randn(
+                side * side, 3 * frames * vision.patch_size**2, generator=_seeded()
+            ),
             "image_grid_thw": torch.tensor([[1, side, side]]),
         }
-        placeholders = side * side // merge**2
-        image = [vocabulary + VISION_START, *[vocabulary + IMAGE_TOKEN] * placeholders]
-        image.append(vocabulary + VISION_END)
+        image = [vocabulary + IMAGE_TOKEN] * (side * side // merge**2)
+        if hasattr(vision, "spatial_merge_size"):  # tokens around it (Qwen, GLM-4V)
+            image = [vocabulary + VISION_START, *image, vocabulary + VISION_END]
     else:  # one placeholder per feature the tower and projector put out
-        size = vision.image_size
-        inputs = {"pixel_values": torch.randn(1, 3, size, size, generator=generator)}
-        if "pixel_attention_mask" in inspect.signature(reference.forward).parameters:
-            # Idefics3: images by prompt, each with the mask of its real (unpadded) pixels.
-            inputs["pixel_values"] = inputs["pixel_values"].unsqueeze(0)
-            inputs["pixel_attention_mask"] = torch.ones(1, 1, size, size, dtype=torch.bool)
-        if vision.model_type == "pixtral":  # Mistral 3's tower asks each image's size
-            inputs["image_sizes"] = torch.tensor([[size, size]])
-        if getattr(reference.config, "image_grid_pinpoints", None):
-            # Any resolution (LLaVA-NeXT, LLaVA-OneVision): one image twice as wide as high,
-            # as the whole image scaled down and its two tiles.
-            inputs["pixel_values"] = torch.randn(1, 3, 3, size, size, generator=generator)
-            inputs["image_sizes"] = torch.tensor([[size, 2 * size]])
+        inputs = _pixels(reference)
         with torch.no_grad():
             features = reference.get_image_features(**inputs)
         if getattr(features, "pooler_output", None) is not None:
