@@ -8,8 +8,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
 :mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
-:mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_state_mask` and
-:mod:`safelens_tl.bridge_uncached_media`.
+:mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_state_mask`,
+:mod:`safelens_tl.bridge_uncached_media` and :mod:`safelens_tl.bridge_stateful_generate`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from safelens_tl import (
     bridge_model_call,
     bridge_rotary_dtype,
     bridge_state_mask,
+    bridge_stateful_generate,
     bridge_t5_block,
     bridge_t5_legacy_block,
     bridge_uncached_media,
@@ -85,18 +86,22 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         method = getattr(bridge.bridge_class, name)
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
     hf_generate = bridge.bridge_class.__dict__.get("hf_generate")
-    if callable(hf_generate) and bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
+    if callable(hf_generate):
+        if bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
+            hf_generate = bridge_hf_generate_mask.passing_the_attention_mask(hf_generate)
         yield Patch(
             bridge.bridge_class,
             "hf_generate",
-            bridge_hf_generate_mask.passing_the_attention_mask(hf_generate),
+            bridge_stateful_generate.honouring_generate_options(hf_generate),
         )
     yield _own_method_patch(
         bridge.bridge_class,
         "generate",
-        bridge_uncached_media.passing_media_at_every_step,
-        "multimodal generation",
-        "an uncached generate from an image or a sound sees it at its first step only",
+        _generate_wrapper,
+        "generate options",
+        "an uncached generate from an image or a sound sees it at its first step only, and an "
+        "uncached generate of a state-space model may drop stop_at_eos, return_type and "
+        "repetition_penalty",
     )
     if bridge.rotary_attention_class is not None:
         yield _own_method_patch(
@@ -192,6 +197,14 @@ def bridge_patches() -> Iterator[Patch | Failure]:
             "generation may ignore the cache",
         )
     yield from _model_output_alias()
+
+
+def _generate_wrapper(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """``TransformerBridge.generate`` with both of its fixes: media at every uncached step, and
+    a state-space model's options kept for its fallback to ``hf_generate``."""
+    return bridge_stateful_generate.recording_generate_options(
+        bridge_uncached_media.passing_media_at_every_step(generate)
+    )
 
 
 def _own_method_patch(
