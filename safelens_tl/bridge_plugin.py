@@ -9,7 +9,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
 :mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
 :mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_state_mask`,
-:mod:`safelens_tl.bridge_uncached_media` and :mod:`safelens_tl.bridge_stateful_generate`.
+:mod:`safelens_tl.bridge_uncached_media`, :mod:`safelens_tl.bridge_stateful_generate` and
+:mod:`safelens_tl.bridge_cohere_rotary`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safelens_tl import (
     bridge_cache,
     bridge_cache_writes,
     bridge_codegen,
+    bridge_cohere_rotary,
     bridge_conversion,
     bridge_gated_delta,
     bridge_hf_generate_mask,
@@ -87,13 +89,8 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         yield Patch(bridge.bridge_class, name, bridge_conversion.converting(method))
     hf_generate = bridge.bridge_class.__dict__.get("hf_generate")
     if callable(hf_generate):
-        if bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
-            hf_generate = bridge_hf_generate_mask.passing_the_attention_mask(hf_generate)
-        yield Patch(
-            bridge.bridge_class,
-            "hf_generate",
-            bridge_stateful_generate.honouring_generate_options(hf_generate),
-        )
+        wrappers = hf_generate_wrappers(hf_generate)
+        yield Patch(bridge.bridge_class, "hf_generate", _composed(hf_generate, *wrappers))
     yield _own_method_patch(
         bridge.bridge_class,
         "generate",
@@ -107,9 +104,10 @@ def bridge_patches() -> Iterator[Patch | Failure]:
         yield _own_method_patch(
             bridge.rotary_attention_class,
             "forward",
-            bridge_rotary_dtype.rotating_in_model_dtype,
-            "half precision",
-            "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
+            _rotary_forward_wrapper,
+            "rotary attention",
+            "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention, and "
+            "Cohere's rotary positions may be applied as Llama's",
         )
     if bridge.codegen_attention_class is not None:
         yield _own_method_patch(
@@ -199,12 +197,44 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     yield from _model_output_alias()
 
 
+def hf_generate_wrappers(hf_generate: Callable[..., Any]) -> list[_Wrapper]:
+    """What wraps this release's ``TransformerBridge.hf_generate``, outermost first: a
+    state-space model's ``generate`` options always, the attention mask of a batch of prompts
+    where the release drops it (TransformerLens 3.0-3.8)."""
+    wrappers: list[_Wrapper] = [bridge_stateful_generate.honouring_generate_options]
+    if bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
+        wrappers.append(bridge_hf_generate_mask.passing_the_attention_mask)
+    return wrappers
+
+
+def _composed(original: Callable[..., Any], *wrappers: _Wrapper) -> Callable[..., Any]:
+    """``original`` wrapped by each of ``wrappers``, the first outermost. Its ``__wrapped__`` is
+    ``original`` itself, as a single wrapper's is: what the patch replaced, one step away."""
+    composed = original
+    for wrap in reversed(wrappers):
+        composed = wrap(composed)
+    if composed is not original:
+        composed.__wrapped__ = original  # type: ignore[attr-defined]
+    return composed
+
+
 def _generate_wrapper(generate: Callable[..., Any]) -> Callable[..., Any]:
     """``TransformerBridge.generate`` with both of its fixes: media at every uncached step, and
     a state-space model's options kept for its fallback to ``hf_generate``."""
-    return bridge_stateful_generate.recording_generate_options(
-        bridge_uncached_media.passing_media_at_every_step(generate)
+    return _composed(
+        generate,
+        bridge_stateful_generate.recording_generate_options,
+        bridge_uncached_media.passing_media_at_every_step,
     )
+
+
+def _rotary_forward_wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A rotary attention bridge's ``forward`` rotating in the model's dtype and, where it does
+    not know Cohere's rotation, rotating Cohere's queries and keys as Hugging Face does."""
+    wrappers: list[_Wrapper] = [bridge_rotary_dtype.rotating_in_model_dtype]
+    if bridge_cohere_rotary.lacks_interleaved_rotary(forward):
+        wrappers.insert(0, bridge_cohere_rotary.rotating_cohere_in_pairs)
+    return _composed(forward, *wrappers)
 
 
 def _own_method_patch(

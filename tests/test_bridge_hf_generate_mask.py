@@ -4,14 +4,15 @@ alone, where TransformerLens's own drops the batch's attention mask (3.0 to 3.8.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_hf_generate_mask, targets
-from tests.conftest import architecture_folder, benchmark_module, requires_bridge
+from safelens_tl import bridge_hf_generate_mask, bridge_plugin, targets
+from tests.conftest import RELEASE, architecture_folder, benchmark_module, requires_bridge
 
 PROMPTS = ["the cat runs", "a big old dog sleeps in the quiet house"]
 GREEDY = {"max_new_tokens": 6, "do_sample": False, "stop_at_eos": False}
@@ -19,7 +20,8 @@ GREEDY = {"max_new_tokens": 6, "do_sample": False, "stop_at_eos": False}
 
 def _dropping_release() -> bool:
     bridge = targets.locate_bridge().bridge_class
-    return bridge_hf_generate_mask.drops_the_attention_mask(bridge.__dict__.get("hf_generate"))
+    hf_generate = bridge.__dict__.get("hf_generate")
+    return bridge_hf_generate_mask.drops_the_attention_mask(inspect.unwrap(hf_generate))
 
 
 def _boot(architecture: str) -> Any:
@@ -68,11 +70,18 @@ def test_tokens_of_a_batch_are_left_padded_and_each_row_is_its_prompt_s(
 def test_the_patch_is_where_the_release_drops_the_mask_and_only_there(
     patched: safelens_tl.activation.Status,
 ) -> None:
-    """Listed by ``status()`` on 3.0-3.8 and removed by ``deactivate()``; 3.9 and 4.x pass the
-    mask themselves and keep their own ``hf_generate``."""
+    """The mask's wrapper is among ``hf_generate``'s on 3.0-3.8 only; 3.9 and 4.x pass the mask
+    themselves. (``hf_generate`` is patched on every release for state-space models' options,
+    :mod:`safelens_tl.bridge_stateful_generate`; ``deactivate()`` removes it.)"""
     bridge = targets.locate_bridge().bridge_class
     target = f"{bridge.__module__}.{bridge.__qualname__}.hf_generate"
-    assert (target in safelens_tl.status().patched) == _dropping_release()
+    assert target in safelens_tl.status().patched
+    original = inspect.unwrap(bridge.__dict__["hf_generate"])
+    wrappers = bridge_plugin.hf_generate_wrappers(original)
+    passing_the_mask = bridge_hf_generate_mask.passing_the_attention_mask
+    assert (passing_the_mask in wrappers) == _dropping_release()
+    major, minor = (int(part) for part in RELEASE.split(".")[:2])
+    assert _dropping_release() == ((3, 0) <= (major, minor) < (3, 9))
     safelens_tl.deactivate()
     try:
         assert target not in safelens_tl.status().patched

@@ -475,13 +475,13 @@ def run_batch(
     own_heads = hugging_face_cache_heads(reference, prompt_ids.to(device), prompt_mask.to(device))
     uncached_tokens: torch.Tensor
     seconds_uncached: float | None = end - middle
-    if isinstance(uncached, torch.Tensor):
+    if isinstance(uncached, torch.Tensor) and not getattr(bridge.cfg, "is_stateful", False):
         uncached_tokens = uncached[:, -new_tokens:]
     else:
         # TransformerLens hands a state-space model's use_past_kv_cache=False to Hugging Face's
-        # generate, which caches anyway and returns text. Greedy generation without a cache picks
-        # the uncached forward's top token at each step, so over the cached sequence those choices
-        # agree with the cached tokens exactly when an uncached generation would.
+        # generate, which caches anyway (and, stock, returns text). Greedy generation without a
+        # cache picks the uncached forward's top token at each step, so over the cached sequence
+        # those choices agree with the cached tokens exactly when an uncached generation would.
         uncached_tokens = own[:, -new_tokens - 1 : -1].argmax(dim=-1)
         seconds_uncached = None
     hf_error: str | None = None
