@@ -14,7 +14,9 @@ learned, ALiBi and no positions; grouped-query, multi-head-latent and sliding-wi
 key/value sharing across layers (Gemma 4); mixtures of experts; and state-space and linear
 attention layers, alone or beside attention (Mamba, Bamba, Jamba, Zamba 2, Qwen3-Next, ...).
 The number of examples is the profile's divided by 40 (at least 10): 25 per architecture in a
-plain run, about 40 s for all of them on two cores.
+plain run, about 40 s for all of them on two cores; the examples are derived from the test, not
+drawn anew, so that every CI run checks the same ones (a random run found the tolerance for
+Zamba2's own rounding, below).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ ARCHITECTURES = [
 #: How far below the largest logit the one picked may be (relative to the largest magnitude):
 #: float32 summed in another order differs by about 1e-6 here; a wrong cache by 1e-1 and more.
 TOLERANCE = 1e-4
+#: Where Hugging Face's own cached path rounds differently from its uncached forward by itself
+#: (docs/reliability.md: Zamba2 3.9e-3, NemotronH 8e-4), a near-tie may fall either way.
+OWN_ROUNDING_TOLERANCE = {"Zamba2ForCausalLM": 2e-2, "NemotronHForCausalLM": 2e-2}
 EXAMPLES = max(10, settings().max_examples // 40)
 
 _booted: dict[str, tuple[Any, Any]] = {}
@@ -152,7 +157,7 @@ def test_every_token_generate_picks_is_a_greedy_choice_of_hugging_face_s_model(
         pytest.skip("this TransformerBridge.generate takes no attention_mask")
     model, reference = _bridge_and_reference(architecture)
 
-    @settings(max_examples=EXAMPLES)
+    @settings(max_examples=EXAMPLES, derandomize=True)  # the same examples in every CI run
     @given(
         batch=left_padded_batches(),
         new_tokens=st.integers(1, 6),
@@ -173,6 +178,7 @@ def test_every_token_generate_picks_is_a_greedy_choice_of_hugging_face_s_model(
         assert generated.shape == (tokens.shape[0], tokens.shape[1] + new_tokens)
         assert torch.equal(generated[:, : tokens.shape[1]], tokens)
         shortfall = _greedy_shortfall(reference, generated, mask, tokens.shape[1])
-        assert shortfall <= TOLERANCE, f"a token {shortfall:.2e} below the best logit"
+        tolerance = OWN_ROUNDING_TOLERANCE.get(architecture, TOLERANCE)
+        assert shortfall <= tolerance, f"a token {shortfall:.2e} below the best logit"
 
     check()
