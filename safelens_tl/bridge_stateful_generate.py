@@ -28,7 +28,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-#: ``generate``'s arguments that its fallback may drop, and their defaults there.
+#: ``generate``'s arguments that TransformerLens's fallback to ``hf_generate`` may drop.
 STOP_AT_EOS, RETURN_TYPE, REPETITION_PENALTY = "stop_at_eos", "return_type", "repetition_penalty"
 #: What Hugging Face's ``generate`` takes as "stop at no token" (``None`` means its config's).
 NO_STOP_TOKENS: list[int] = []
