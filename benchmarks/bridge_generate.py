@@ -13,6 +13,7 @@ transformers 5.24 and later stock attends to one position per step (docs/upstrea
 cache.md), so its speed is shown but its ratio is marked as wrong output.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_generate.py [--rounds 5] [--dtype float32,bfloat16]
+        [--device cuda]
 
 ``benchmarks/kv_cache.py`` runs the same measurement as its ``bridge`` section.
 """
@@ -41,11 +42,18 @@ SHAPES = ((8, 48, 1), (256, 128, 2))
 WAYS = ("cached", "stock cached", "uncached", "hf")
 
 
-def _timed(run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
+def _now(device: str) -> float:
+    # CUDA kernels finish after the call that queued them returns: wait for them before reading.
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _timed(run: Callable[[], torch.Tensor], device: str) -> tuple[float, torch.Tensor]:
+    start = _now(device)
     with torch.inference_mode(), contextlib.redirect_stdout(io.StringIO()):
         tokens = run()
-    return time.perf_counter() - start, tokens
+    return _now(device) - start, tokens
 
 
 def _bridge_run(model: Any, prompt: torch.Tensor, new: int, cached: bool) -> torch.Tensor:
@@ -61,13 +69,15 @@ def _bridge_run(model: Any, prompt: torch.Tensor, new: int, cached: bool) -> tor
     return tokens[:, -new:]
 
 
-def _timed_way(way: str, run: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+def _timed_way(
+    way: str, run: Callable[[], torch.Tensor], device: str
+) -> tuple[float, torch.Tensor]:
     """Time one way; stock runs with safelens-tl deactivated, outside the timed span."""
     if way != "stock cached":
-        return _timed(run)
+        return _timed(run, device)
     safelens_tl.deactivate()
     try:
-        return _timed(run)
+        return _timed(run, device)
     finally:
         safelens_tl.activate()
 
@@ -99,8 +109,11 @@ def measure(
     dtype_names: Sequence[str],
     shapes: Sequence[tuple[int, int, int]] = SHAPES,
     rounds: int = 5,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """One row per dtype and shape: median ms per new token of each way, and token agreement.
+
+    ``device``: where both models and the prompts live (``cpu`` or ``cuda``).
 
     safelens-tl is active when this returns (it activates it).
     """
@@ -108,8 +121,8 @@ def measure(
     rows: list[dict[str, Any]] = []
     for dtype_name in dtype_names:
         dtype = getattr(torch, dtype_name)
-        model = bridge.boot("llama-like-gqa", dtype)
-        reference = bridge.reference_model("llama-like-gqa", dtype)
+        model = bridge.boot("llama-like-gqa", dtype, device)
+        reference = bridge.reference_model("llama-like-gqa", dtype, device)
         # No early stop, as in the bridge's stop_at_eos=False (min_new_tokens would instead mask
         # the EOS logit, and greedy tokens would differ from the bridge's).
         reference.generation_config.eos_token_id = None
@@ -117,7 +130,7 @@ def measure(
         for prompt_length, new, batch in shapes:
             prompt = torch.randint(
                 4, models.vocab_size(), (batch, prompt_length), generator=generator
-            )
+            ).to(device)
             ways: dict[str, Callable[[], torch.Tensor]] = {
                 "cached": functools.partial(_bridge_run, model, prompt, new, True),
                 "stock cached": functools.partial(_bridge_run, model, prompt, new, True),
@@ -126,10 +139,10 @@ def measure(
             }
             times: dict[str, list[float]] = {way: [] for way in WAYS}
             # warm-up, untimed
-            outputs = {way: _timed_way(way, run)[1] for way, run in ways.items()}
+            outputs = {way: _timed_way(way, run, device)[1] for way, run in ways.items()}
             for _ in range(rounds):
                 for way, run in ways.items():
-                    times[way].append(_timed_way(way, run)[0])
+                    times[way].append(_timed_way(way, run, device)[0])
             per_token = {way: 1000 * statistics.median(t) / new for way, t in times.items()}
             rows.append(
                 {
@@ -191,12 +204,15 @@ def main() -> None:
         default="float32",
         help="comma-separated: float32, float16, bfloat16 (default float32)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     arguments = parser.parse_args()
     dtype_names = [name.strip() for name in arguments.dtype.split(",") if name.strip()]
     for name in dtype_names:
         if name not in ("float32", "float16", "bfloat16"):
             parser.error(f"--dtype: expected float32, float16 or bfloat16; received {name!r}")
-    Console(width=160).print(table(measure(dtype_names, SHAPES, arguments.rounds)))
+    Console(width=160).print(
+        table(measure(dtype_names, SHAPES, arguments.rounds, arguments.device))
+    )
 
 
 if __name__ == "__main__":

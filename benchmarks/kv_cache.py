@@ -34,6 +34,20 @@ from safelens_tl import kv_cache, kv_storage, targets
 
 BATCH, HEADS, D_HEAD = 4, 8, 64
 
+#: Where models, caches and tensors live: ``--device`` sets it (``cpu`` or ``cuda``).
+DEVICE = "cpu"
+
+
+def now() -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done.
+
+    CUDA kernels run after the Python call that queued them returns: without the wait, a timer
+    would measure how fast work is queued, not done.
+    """
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -268,17 +282,21 @@ def _append_cfg(
 
 
 def _step() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(BATCH, 1, HEADS, D_HEAD), torch.randn(BATCH, 1, HEADS, D_HEAD)
+    return _randn(BATCH, 1, HEADS, D_HEAD), _randn(BATCH, 1, HEADS, D_HEAD)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
 
 
 def _time_appends(entry: Any, count: int) -> float:
     """Seconds per append, over ``count`` consecutive one-token appends."""
     keys, values = _step()
     append = entry.append
-    start = time.perf_counter()
+    start = now()
     for _ in range(count):
         append(keys, values)
-    return (time.perf_counter() - start) / count
+    return (now() - start) / count
 
 
 def stock_append(layout: targets.Layout, cached: int, count: int) -> float:
@@ -286,9 +304,9 @@ def stock_append(layout: targets.Layout, cached: int, count: int) -> float:
     cfg = _append_cfg(layout, 2 * cached + count)
     with patched(False), torch.inference_mode():
         entry_class: Any = layout.entry_class
-        entry = entry_class.init_cache_entry(cfg, "cpu", BATCH)
-        entry.past_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
-        entry.past_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        entry = entry_class.init_cache_entry(cfg, DEVICE, BATCH)
+        entry.past_keys = _randn(BATCH, cached, HEADS, D_HEAD)
+        entry.past_values = _randn(BATCH, cached, HEADS, D_HEAD)
         return _time_appends(entry, count)
 
 
@@ -302,9 +320,9 @@ def patched_append(layout: targets.Layout, cached: int, count: int, amortized: b
     cfg = _append_cfg(layout, 2 * cached + count)
     with patched(True), torch.inference_mode():
         entry_class: Any = layout.entry_class
-        entry = entry_class.init_cache_entry(cfg, "cpu", BATCH)
-        prompt_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
-        prompt_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
+        entry = entry_class.init_cache_entry(cfg, DEVICE, BATCH)
+        prompt_keys = _randn(BATCH, cached, HEADS, D_HEAD)
+        prompt_values = _randn(BATCH, cached, HEADS, D_HEAD)
         with kv_storage.reserve(cached if amortized else cached + count):
             entry.append(prompt_keys, prompt_values)
         return _time_appends(entry, max(cached // 4, 1) if amortized else count)
@@ -312,8 +330,8 @@ def patched_append(layout: targets.Layout, cached: int, count: int, amortized: b
 
 def raw_write(cached: int, count: int) -> float:
     """The lower bound: write one token's keys and values into preallocated buffers."""
-    key_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD)
-    value_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD)
+    key_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD, device=DEVICE)
+    value_buffer = torch.empty(BATCH, cached + count, HEADS, D_HEAD, device=DEVICE)
     keys, values = _step()
     position = [cached]
 
@@ -324,10 +342,10 @@ def raw_write(cached: int, count: int) -> float:
         position[0] = at + 1
 
     with torch.inference_mode():
-        start = time.perf_counter()
+        start = now()
         for _ in range(count):
             write(keys, values)
-        return (time.perf_counter() - start) / count
+        return (now() - start) / count
 
 
 def regrowth_floor(cached: int) -> float:
@@ -337,14 +355,15 @@ def regrowth_floor(cached: int) -> float:
     values into fresh memory 1.25 times larger: here one contiguous ``copy_`` each, the cheapest
     form of that move, spread over the growth cycle. Add the raw write to get the floor.
     """
-    past_keys = torch.randn(BATCH, cached, HEADS, D_HEAD)
-    past_values = torch.randn(BATCH, cached, HEADS, D_HEAD)
+    past_keys = _randn(BATCH, cached, HEADS, D_HEAD)
+    past_values = _randn(BATCH, cached, HEADS, D_HEAD)
     capacity = kv_storage.capacity_for(cached + 1, None)
     with torch.inference_mode():
-        start = time.perf_counter()
+        start = now()
         for past in (past_keys, past_values):
-            torch.empty(BATCH, capacity, HEADS, D_HEAD).narrow(1, 0, cached).copy_(past)
-        return (time.perf_counter() - start) / max(cached // 4, 1)
+            fresh = torch.empty(BATCH, capacity, HEADS, D_HEAD, device=DEVICE)
+            fresh.narrow(1, 0, cached).copy_(past)
+        return (now() - start) / max(cached // 4, 1)
 
 
 def bench_append(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
@@ -395,24 +414,24 @@ def step_append(layout: targets.Layout, cached: int, count: int, variant: str) -
     heads, d_head = _tiny_shape()
     cfg = _append_cfg(layout, cached + count, heads, d_head)
     past_keys, past_values = (
-        torch.randn(1, cached, heads, d_head),
-        torch.randn(1, cached, heads, d_head),
+        _randn(1, cached, heads, d_head),
+        _randn(1, cached, heads, d_head),
     )
-    keys, values = torch.randn(1, 1, heads, d_head), torch.randn(1, 1, heads, d_head)
+    keys, values = _randn(1, 1, heads, d_head), _randn(1, 1, heads, d_head)
     limit = STEP_VARIANTS[variant]
     with patched(limit is not None), torch.inference_mode():
         entry_class: Any = layout.entry_class
-        entry = entry_class.init_cache_entry(cfg, "cpu", 1)
+        entry = entry_class.init_cache_entry(cfg, DEVICE, 1)
         if limit is not None:
             with kv_storage.reserve_ahead(count), kv_storage.small_cache_limit(limit):
                 entry.append(past_keys, past_values)
         else:
             entry.past_keys, entry.past_values = past_keys, past_values
         append = entry.append
-        start = time.perf_counter()
+        start = now()
         for _ in range(count):
             append(keys, values)
-        return (time.perf_counter() - start) / count
+        return (now() - start) / count
 
 
 def appends_in_generate(
@@ -432,9 +451,9 @@ def appends_in_generate(
         append = entry_class.__dict__["append"]
 
         def timed(self: Any, new_keys: torch.Tensor, new_values: torch.Tensor) -> Any:
-            start = time.perf_counter()
+            start = now()
             result = append(self, new_keys, new_values)
-            spent[0] += time.perf_counter() - start
+            spent[0] += now() - start
             spent[1] += 1
             return result
 
@@ -464,7 +483,7 @@ def bench_step(layout: targets.Layout, sizes: Sizes, results: Results) -> None:
         return
     from safelens_tl.verify.models import build_model
 
-    model = build_model("gpt2-like", torch.float32)
+    model = build_model("gpt2-like", torch.float32, DEVICE)
     _, prompt, new, batch, rounds = sizes.generations[0]
     tokens = _tokens(model, prompt, batch)
     samples: dict[str, list[float]] = {}
@@ -493,6 +512,9 @@ def bench_instructions(sizes: Sizes, results: Results) -> None:
     ``benchmarks/instruction_counts.py``); skipped with a note where valgrind is missing."""
     import instruction_counts  # this script's own folder is on sys.path
 
+    if DEVICE != "cpu":
+        results.notes.append("instructions skipped: valgrind counts the CPU's instructions only")
+        return
     rows, reason = instruction_counts.measure(
         sizes.instruction_generations, sizes.instruction_rounds
     )
@@ -520,7 +542,7 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
         **{**models.GPT2_LIKE, "n_ctx": n_ctx, **(MEMORY_WIDTH if wide else {})},
         d_vocab=models.vocab_size(),
         dtype=torch.float32,
-        device="cpu",
+        device=DEVICE,
         seed=0,
     )
     return HookedTransformer(cfg, tokenizer=models.load_tokenizer()).eval()
@@ -529,13 +551,14 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
 def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     # Skip the special tokens (ids 0-3) so no prompt holds padding or EOS.
-    return torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
+    drawn = torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
+    return drawn.to(DEVICE)
 
 
 #: How a generation is timed: wall-clock seconds, or this process's CPU seconds (all threads),
 #: which other processes on a shared machine disturb less; with ``--threads 1`` it is the
 #: steadier measure of the two.
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCKS: dict[str, Callable[[], float]] = {"wall": now, "cpu": time.process_time}
 
 
 def greedy_generate(model: Any, tokens: torch.Tensor, new: int) -> Any:
@@ -568,7 +591,7 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
     """Tokens per second of ``generate`` at each of ``sizes.generations``, stock and patched."""
     from safelens_tl.verify.models import build_model
 
-    short_model = build_model("gpt2-like", torch.float32)
+    short_model = build_model("gpt2-like", torch.float32, DEVICE)
     for label, prompt, new, batch, rounds in sizes.generations:
         model = long_model(sizes.long_n_ctx) if label == "long" else short_model
         tokens = _tokens(model, prompt, batch)
@@ -647,6 +670,12 @@ def generation_rise(
     with patched(on):
         model.generate(tokens, max_new_tokens=2, do_sample=False, verbose=False)  # warm-up
         gc.collect()
+        if DEVICE != "cpu":  # the cache is in the GPU's memory: its allocator's peak instead
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            model.generate(tokens, max_new_tokens=new, do_sample=False, verbose=False, **stop)
+            return torch.cuda.max_memory_allocated() - before
         before = _proc_status("VmRSS")
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
@@ -670,7 +699,7 @@ def memory_child(
 
 def bench_memory(sizes: Sizes, results: Results) -> None:
     """Peak RSS rise of long generations, stock and patched, each in fresh subprocesses."""
-    if not os.path.exists("/proc/self/clear_refs"):
+    if DEVICE == "cpu" and not os.path.exists("/proc/self/clear_refs"):
         results.notes.append("peak memory skipped: needs Linux /proc/self/clear_refs")
         return
     env = {
@@ -693,6 +722,7 @@ def bench_memory(sizes: Sizes, results: Results) -> None:
         for _ in range(sizes.memory_runs):
             for variant in rises:
                 command = [sys.executable, __file__, "--threads", str(torch.get_num_threads())]
+                command += ["--device", DEVICE]
                 command += ["--memory-child", variant]
                 numbers = (prompt, new, batch, sizes.long_n_ctx, stop_after)
                 command += [str(number) for number in numbers]
@@ -840,11 +870,12 @@ def bench_trace(sizes: Sizes, results: Results) -> None:
 
 
 def autocast_cache(model: Any, tokens: torch.Tensor, steps: int, on: bool) -> dict[str, Any]:
-    """Run cached forwards under bf16 ``torch.autocast`` on CPU; report cache dtype and bytes."""
+    """Run cached forwards under bf16 ``torch.autocast``; report cache dtype and bytes."""
     layout = targets.locate()
-    with patched(on), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    autocast = torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16)
+    with patched(on), torch.inference_mode(), autocast:
         cache_class: Any = layout.cache_class
-        cache = cache_class.init_cache(model.cfg, "cpu", tokens.size(0))
+        cache = cache_class.init_cache(model.cfg, DEVICE, tokens.size(0))
         logits = model(tokens, past_kv_cache=cache)
         for _ in range(steps):
             logits = model(logits[:, -1:].argmax(-1), past_kv_cache=cache)
@@ -877,7 +908,7 @@ def bench_bridge(sizes: Sizes, results: Results) -> None:
     import bridge_generate  # this script's own folder is on sys.path
 
     results.bridge = bridge_generate.measure(
-        sizes.bridge_dtypes, sizes.bridge_shapes, sizes.bridge_rounds
+        sizes.bridge_dtypes, sizes.bridge_shapes, sizes.bridge_rounds, DEVICE
     )
     safelens_tl.deactivate()
 
@@ -904,6 +935,7 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "load average": "{:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
+        "device": DEVICE if DEVICE == "cpu" else f"{DEVICE} ({torch.cuda.get_device_name()})",
     }
 
 
@@ -1014,7 +1046,8 @@ def report(results: Results) -> None:
     if results.memory:
         runs = int(results.memory[0]["runs"])
         where = f"median of {runs} fresh processes" if runs else "in this process (quick)"
-        table = Table(title=f"peak RSS rise during generate, MiB ({where})")
+        measure = "peak RSS rise" if DEVICE == "cpu" else f"peak {DEVICE} memory allocated rise"
+        table = Table(title=f"{measure} during generate, MiB ({where})")
         for column in ("generation", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
         table.add_column("final cache", justify="right")
@@ -1034,7 +1067,8 @@ def report(results: Results) -> None:
     if results.autocast:
         stock, ours = results.autocast["stock"], results.autocast["patched"]
         console.print(
-            f"cache under torch.autocast(cpu, bfloat16), fp32 model: stock {stock['dtype']} "
+            f"cache under torch.autocast({torch.device(DEVICE).type}, bfloat16), fp32 model: "
+            f"stock {stock['dtype']} "
             f"{stock['used']:,} B; patched {ours['dtype']} {ours['used']:,} B used, "
             f"{ours['reserved']:,} B reserved "
             f"(patched/stock {_share(ours['reserved'], stock['used'])})"
@@ -1126,8 +1160,23 @@ def main(argv: list[str] | None = None) -> int:
         help="paired rounds for the short generations (default 41 for 8+48, 61 for 1+16); "
         "more rounds narrow the interval around the median of pairs",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where models, caches and tensors live: cpu (default) or cuda (one GPU)",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global DEVICE
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device: expected cpu or cuda; received {args.device!r} ({error})")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda; received {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here; run on a machine with one, or cpu")
+    DEVICE = str(device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:

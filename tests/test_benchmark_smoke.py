@@ -53,6 +53,7 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "append (batch" in done.stdout and ", ratios" in done.stdout
     results = json.loads(output.read_text())
+    assert results["machine"]["device"] == "cpu"
     assert [row["cached"] for row in results["append"]] == [32, 128]
     for row in results["append"]:
         assert all(row[k] > 0 for k in ("stock", "patched", "amortized", "raw", "floor"))
@@ -116,6 +117,24 @@ def test_benchmark_refuses_an_unknown_section() -> None:
     done = run_script("kv_cache.py", "--quick", "--only", "append,speed")
     assert done.returncode == 2
     assert "--only: expected some of append" in done.stderr and "'append,speed'" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device: expected cpu or cuda; received 'tpu'"),
+        ("meta", "--device: expected cpu or cuda; received 'meta'"),
+        pytest.param(
+            "cuda",
+            "--device cuda: torch sees no GPU here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"),
+        ),
+    ],
+)
+def test_benchmark_refuses_a_device_it_cannot_use(device: str, message: str) -> None:
+    done = run_script("kv_cache.py", "--quick", "--only", "append", "--device", device)
+    assert done.returncode == 2
+    assert message in done.stderr
 
 
 def test_benchmark_refuses_zero_rounds() -> None:
