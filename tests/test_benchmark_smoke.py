@@ -457,3 +457,31 @@ def test_a_benchmark_refuses_to_call_stock_patched_when_safelens_tl_does_not_act
     monkeypatch.undo()
     with kv_cache.patched(True):
         assert safelens_tl.status().active
+
+
+@requires_hooked_transformer
+def test_the_patched_generate_launches_no_more_kernels_than_stock() -> None:
+    """On a GPU each operation that is not a view is a kernel launch, which bounds a tiny model's
+    generation there. Past the small-cache limit (64 KiB per tensor: 80 positions at batch 4
+    here), patched writes each step with one ``copy_`` where stock runs one ``cat``; only the
+    buffers' allocation and the prompt's write into them are extra."""
+    operation_counts = benchmark_module("operation_counts")
+    counts = operation_counts.count(80, 6, 4)
+    stock, patched = counts["stock"], counts["patched"]
+    assert stock["cat"] > 0 and patched["copy_"] > 0
+
+    def kernels(ops: Any) -> int:
+        return sum(n for op, n in ops.items() if op not in operation_counts.VIEWS)
+
+    from safelens_tl.verify.models import GPT2_LIKE
+
+    layers = int(GPT2_LIKE["n_layers"])
+    assert kernels(stock) <= kernels(patched) <= kernels(stock) + 8 * layers
+
+
+def test_operation_counts_refuses_a_malformed_shape() -> None:
+    done = run_script("operation_counts.py", "--shape", "1,2")
+    assert done.returncode == 2
+    assert "--shape: expected three positive integers PROMPT,NEW,BATCH; received '1,2'" in (
+        done.stderr
+    )
