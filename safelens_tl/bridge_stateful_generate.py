@@ -9,13 +9,16 @@ the end-of-sequence token when told ``stop_at_eos=False`` (Hugging Face's genera
 its own). So, silently: ``generate(..., use_past_kv_cache=False, stop_at_eos=False)`` ends at the
 first end-of-sequence token the model picks (a batch's finished rows filled with padding), where
 the cached ``generate`` goes on; a repetition penalty is ignored; and ``return_type="tokens"``
-of a string prompt returns a string.
+of a string prompt returns a string. A frequency penalty, which Hugging Face's ``generate`` has no
+equivalent of, is dropped on 3.x without a word (4.3 refuses it).
 
 While such a model's ``generate`` runs (:func:`recording_generate_options`), what it was asked
 is kept; an ``hf_generate`` called from it (:func:`honouring_generate_options`) gets whichever of
 ``stop_at_eos``, ``return_type`` and ``repetition_penalty`` it was not handed, and any
 ``hf_generate`` told ``stop_at_eos=False`` without its own ``eos_token_id`` tells Hugging Face
-to stop at no token. Models that are not stateful are left alone: their ``generate`` never calls
+to stop at no token. A sampling ``generate`` with a ``freq_penalty`` is refused there, before
+anything runs, as TransformerLens 4.3 refuses it (greedy ``generate`` never applies one, so it is
+let through). Models that are not stateful are left alone: their ``generate`` never calls
 ``hf_generate``.
 """
 
@@ -30,6 +33,7 @@ from typing import Any
 
 #: ``generate``'s arguments that TransformerLens's fallback to ``hf_generate`` may drop.
 STOP_AT_EOS, RETURN_TYPE, REPETITION_PENALTY = "stop_at_eos", "return_type", "repetition_penalty"
+FREQ_PENALTY, DO_SAMPLE = "freq_penalty", "do_sample"
 #: What Hugging Face's ``generate`` takes as "stop at no token" (``None`` means its config's).
 NO_STOP_TOKENS: list[int] = []
 
@@ -41,6 +45,8 @@ class GenerateOptions:
     stop_at_eos: bool
     return_type: str | None
     repetition_penalty: float
+    freq_penalty: float = 0.0
+    do_sample: bool = True
 
 
 _running: ContextVar[GenerateOptions | None] = ContextVar(
@@ -54,7 +60,7 @@ def recording_generate_options(original: Callable[..., Any]) -> Callable[..., An
     signature = inspect.signature(original)
     defaults = {
         name: signature.parameters[name].default
-        for name in (STOP_AT_EOS, RETURN_TYPE, REPETITION_PENALTY)
+        for name in (STOP_AT_EOS, RETURN_TYPE, REPETITION_PENALTY, FREQ_PENALTY, DO_SAMPLE)
         if name in signature.parameters
     }
 
@@ -71,6 +77,8 @@ def recording_generate_options(original: Callable[..., Any]) -> Callable[..., An
             stop_at_eos=bool(asked.get(STOP_AT_EOS, True)),
             return_type=asked.get(RETURN_TYPE, "input"),
             repetition_penalty=float(asked.get(REPETITION_PENALTY, 1.0)),
+            freq_penalty=float(asked.get(FREQ_PENALTY, 0.0)),
+            do_sample=bool(asked.get(DO_SAMPLE, True)),
         )
         token = _running.set(options)
         try:
@@ -97,12 +105,26 @@ def honouring_generate_options(original: Callable[..., Any]) -> Callable[..., An
         arguments = bound.arguments
         options = _running.get()
         if options is not None:
+            _refuse_a_frequency_penalty(options)
             _fill_in(arguments, options, signature, extra)
         if arguments.get(STOP_AT_EOS, True) is False and arguments.get("eos_token_id") is None:
             arguments["eos_token_id"] = NO_STOP_TOKENS
         return original(*bound.args, **bound.kwargs)
 
     return hf_generate
+
+
+def _refuse_a_frequency_penalty(options: GenerateOptions) -> None:
+    """Raise where a sampling ``generate`` asked for a frequency penalty that ``hf_generate``
+    cannot apply (it would sample without it)."""
+    if options.do_sample and options.freq_penalty != 0.0:
+        raise NotImplementedError(
+            f"generate(freq_penalty={options.freq_penalty!r}, do_sample=True) on a state-space "
+            "model without the cache: TransformerBridge hands that call to hf_generate, and "
+            "Hugging Face's generate has no frequency penalty, so it would sample as if "
+            "freq_penalty were 0. Use use_past_kv_cache=True (the default), which applies it, "
+            "or repetition_penalty, which hf_generate applies; nothing was generated."
+        )
 
 
 def _fill_in(

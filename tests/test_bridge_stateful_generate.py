@@ -111,3 +111,38 @@ def test_an_uncached_generate_applies_the_repetition_penalty(
     penalized = model.generate(prompt, use_past_kv_cache=False, repetition_penalty=50.0, **options)
     assert penalized.tolist() == expected.tolist()
     assert penalized.tolist() != model.generate(prompt, use_past_kv_cache=False, **options).tolist()
+
+
+def test_an_uncached_sampling_generate_refuses_a_frequency_penalty_it_cannot_apply(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """Hugging Face's ``generate`` has no frequency penalty: the uncached fallback would sample
+    without it. Stock 3.9 drops it silently; 4.3 and safelens-tl refuse it, naming the way out,
+    and the cached ``generate``, which applies it, still runs."""
+    model, prompt = _bamba_and_a_prompt_it_ends()
+    options = {"max_new_tokens": NEW_TOKENS, "verbose": False, "stop_at_eos": False}
+    with pytest.raises(NotImplementedError, match="freq_penalty"):
+        model.generate(prompt, use_past_kv_cache=False, do_sample=True, freq_penalty=0.5, **options)
+    torch.manual_seed(0)
+    cached = model.generate(
+        prompt, do_sample=True, freq_penalty=0.5, return_type="tokens", **options
+    )
+    assert cached.shape == (1, prompt.shape[1] + NEW_TOKENS)
+
+
+def test_an_uncached_greedy_generate_lets_a_frequency_penalty_through(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """Greedy ``generate`` never applies a frequency penalty (TransformerLens applies it when it
+    samples): the uncached one runs with one, as the cached one does (TransformerLens 3.9; 4.3
+    refuses it whatever the sampling)."""
+    model, prompt = _bamba_and_a_prompt_it_ends()
+    options = {**GREEDY, "stop_at_eos": False, "return_type": "tokens", "freq_penalty": 0.5}
+    try:
+        uncached = model.generate(prompt, use_past_kv_cache=False, **options)
+    except NotImplementedError as error:
+        if "freq_penalty requires use_past_kv_cache=True" not in str(error):
+            raise
+        pytest.skip(f"this TransformerLens refuses it itself: {error}")
+    cached = model.generate(prompt, use_past_kv_cache=True, **options)
+    assert uncached.tolist() == cached.tolist()
