@@ -28,6 +28,7 @@ import io
 import json
 import traceback
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -397,6 +398,21 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
+#: Audio towers for checkpoints named ``<architecture>+audio`` (:data:`WITH_AUDIO`): Gemma 4 has
+#: no audio tower by default, and its other checkpoints stay without one.
+AUDIO_TOWERS: dict[str, dict[str, Any]] = {
+    "Gemma4ForConditionalGeneration": {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        # Its input projection takes as many mel bins as the first convolution has channels.
+        "subsampling_conv_channels": [16, 8],
+        "output_proj_dims": 32,
+        "attention_chunk_size": 4,
+        "attention_context_left": 5,
+    },
+}
+WITH_AUDIO = "+audio"
 #: Settings of the composite config itself (text needs none of them, but the model reads them when
 #: built).
 COMPOSITE: dict[str, dict[str, Any]] = {
@@ -712,6 +728,8 @@ def build(architecture: str) -> str:
     tokenizer = models.load_tokenizer()
     if architecture in ENCODER_DECODER:
         return _save_encoder_decoder(architecture, tokenizer)
+    if architecture.endswith(WITH_AUDIO):
+        return str(_save_with_audio(architecture.removesuffix(WITH_AUDIO), tokenizer))
     if architecture in VISION_LANGUAGE or architecture in AUDIO_LANGUAGE:
         config = _multimodal_config(architecture, tokenizer)
     else:
@@ -725,6 +743,18 @@ def build(architecture: str) -> str:
         published["architectures"] = [architecture]
         saved.write_text(json.dumps(published, indent=2), encoding="utf-8")
     return str(folder)
+
+
+def _save_with_audio(architecture: str, tokenizer: Any) -> Path:
+    """Save the tiny checkpoint of ``architecture`` with the audio tower of
+    :data:`AUDIO_TOWERS`."""
+    if architecture not in AUDIO_TOWERS:
+        raise LookupError(f"no audio tower is defined for {architecture}")
+    config = _multimodal_config(architecture, tokenizer)
+    config.audio_config = config.sub_configs["audio_config"](**AUDIO_TOWERS[architecture])
+    config.architectures = [architecture]
+    folder: Path = bridge.save_checkpoint(config, architecture + "-audio", tokenizer)
+    return folder
 
 
 def last_line(error: BaseException) -> str:

@@ -68,8 +68,10 @@ def architecture_folder(architecture: str) -> Path:
     """The tiny checkpoint of ``benchmarks/bridge_architectures.py``, saved once per session;
     skips where this transformers or TransformerLens lacks the architecture."""
     factory = importlib.import_module("transformer_lens.factories.architecture_adapter_factory")
-    if architecture not in getattr(factory, "SUPPORTED_ARCHITECTURES", {}):
-        pytest.skip(f"this TransformerBridge does not support {architecture}")
+    # "<architecture>+audio": that architecture with an audio tower (bridge_architectures.py).
+    base = architecture.split("+")[0]
+    if base not in getattr(factory, "SUPPORTED_ARCHITECTURES", {}):
+        pytest.skip(f"this TransformerBridge does not support {base}")
     if architecture not in _architecture_folders:
         architectures = benchmark_module("bridge_architectures")
         try:

@@ -10,9 +10,11 @@ tiny vocabulary (their default ids lie beyond it). Of the vision-language ones t
 need torchvision (TransformerLens's adapters import it), which the CI machines lack:
 their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
 Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
-more. Gemma's copies also get word embeddings a tenth as large: as built, the tiny Gemmas pick
-the same token whatever their prompt, image or none. Emu3 (whose images are codes of its own
-image tokenizer) and Gemma 3n (whose tower needs timm) are left out.
+more; Gemma 4, built with an image tower only, gets a tiny audio tower for its sound tests
+(``Gemma4ForConditionalGeneration+audio``). Gemma's copies also get word embeddings a tenth as
+large: as built, the tiny Gemmas pick the same token whatever their prompt, image or none.
+Emu3 (whose images are codes of its own image tokenizer) and Gemma 3n (whose tower needs timm)
+are left out.
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
@@ -68,6 +70,8 @@ AUDIO_MODELS = [
     "AudioFlamingo3ForConditionalGeneration",
     "MusicFlamingoForConditionalGeneration",
     "GlmAsrForConditionalGeneration",
+    # Gemma 4 with an audio tower added (it has an image tower too; the test gives it a sound).
+    "Gemma4ForConditionalGeneration+audio",
 ]
 #: Qwen's placeholders and the tokens around an image (Llava reads only the placeholder); the
 #: audio placeholder takes the image's id; the video placeholder, only in the video tests.
@@ -101,6 +105,8 @@ def _with_media_tokens_in_the_vocabulary(
     }
     if video:
         ids["video_token_id"] = vocabulary + VIDEO_TOKEN
+    if architecture in AUDIO_MODELS:  # a model of both: its sound's placeholder is not an image's
+        ids["image_token_id"] = vocabulary + VISION_START
     path = folder / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config.update({key: value for key, value in ids.items() if key in config})
@@ -157,11 +163,13 @@ def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return prompt, inputs
 
 
-def _media_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:data:`PROMPT` with one random image, or one random sound, after its first word, and the
-    inputs that carry it."""
+def _media_prompt(
+    reference: Any, sound: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:data:`PROMPT` with one random image, or one random sound (a model without an image
+    tower, or ``sound``), after its first word, and the inputs that carry it."""
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
-    if getattr(reference.config, "vision_config", None) is None:
+    if sound or getattr(reference.config, "vision_config", None) is None:
         return _audio_prompt(reference, words)
     return _image_prompt(reference, words)
 
@@ -169,14 +177,20 @@ def _media_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 def _audio_prompt(
     reference: Any, words: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Random log-mel features (seed 0) as long as the Whisper-style tower takes, all of them
-    valid, and one placeholder per frame the tower puts out."""
+    """Random log-mel features (seed 0) as long as the Whisper-style tower takes (Gemma 4's
+    conformer: 64 frames), all of them valid, and one placeholder per frame the tower puts
+    out."""
     audio = reference.config.audio_config
-    positions = getattr(audio, "max_source_positions", None) or audio.max_position_embeddings
-    features = torch.randn(
-        1, audio.num_mel_bins, 2 * positions, generator=torch.Generator().manual_seed(0)
-    )
-    mask = torch.ones(1, features.shape[-1], dtype=torch.long)
+    if hasattr(audio, "subsampling_conv_channels"):  # Gemma 4: frames first, a boolean mask
+        bins = audio.subsampling_conv_channels[0]
+        features = torch.randn(1, 64, bins, generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(1, features.shape[1], dtype=torch.bool)
+    else:
+        positions = getattr(audio, "max_source_positions", None) or audio.max_position_embeddings
+        features = torch.randn(
+            1, audio.num_mel_bins, 2 * positions, generator=torch.Generator().manual_seed(0)
+        )
+        mask = torch.ones(1, features.shape[-1], dtype=torch.long)
     mask_name = "feature_attention_mask"
     if mask_name not in inspect.signature(reference.forward).parameters:
         mask_name = "input_features_mask"  # Audio Flamingo 3, Music Flamingo, GLM-ASR
@@ -188,7 +202,9 @@ def _audio_prompt(
         placeholders = int(tower._get_feat_extract_output_lengths(mask.sum(-1))[-1].item())
     else:
         with torch.no_grad():
-            output = reference.get_audio_features(features, mask)
+            # GLM-ASR has it on the whole model, Gemma 4 on its inner one.
+            audio_features = getattr(reference, "get_audio_features", None)
+            output = (audio_features or reference.model.get_audio_features)(features, mask)
         frames = getattr(output, "pooler_output", output)
         placeholders = frames.reshape(-1, frames.shape[-1]).shape[0]
     audio_tokens = torch.full((placeholders,), models.vocab_size() + IMAGE_TOKEN)
@@ -337,7 +353,10 @@ def _bridge_with_media_prompt(
         pytest.importorskip("torchvision")
     folder = _with_media_tokens_in_the_vocabulary(architecture, destination, video)
     reference = bridge.reference_from(folder, torch.float32)
-    prompt, inputs = _video_prompt(reference) if video else _media_prompt(reference)
+    if video:
+        prompt, inputs = _video_prompt(reference)
+    else:
+        prompt, inputs = _media_prompt(reference, sound=architecture in AUDIO_MODELS)
     expected = _hugging_face_s_own(reference, prompt, **inputs)
     # Every media token (the vocabulary's last four ids) replaced by a word.
     without_media = prompt.where(prompt < models.vocab_size() + VIDEO_TOKEN, prompt[0, -1])
