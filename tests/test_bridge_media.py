@@ -13,8 +13,8 @@ Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text 
 more; Gemma 4, built with an image tower only, gets a tiny audio tower for its sound tests
 (``Gemma4ForConditionalGeneration+audio``). Gemma's copies also get word embeddings a tenth as
 large: as built, the tiny Gemmas pick the same token whatever their prompt, image or none.
-Emu3 (whose images are codes of its own image tokenizer) and Gemma 3n (whose tower needs timm)
-are left out.
+Emu3's image tokenizer turns an image into codes that are words of its own vocabulary: its copy
+maps them into the tiny one. Gemma 3n (whose tower needs timm) is left out.
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
@@ -62,6 +62,7 @@ IMAGE_MODELS = [
     "Gemma3ForConditionalGeneration",
     "Gemma4UnifiedForConditionalGeneration",
     "Gemma4ForConditionalGeneration",
+    "Emu3ForConditionalGeneration",
 ]
 #: TransformerLens's adapters for these import torchvision.
 NEEDS_TORCHVISION = {name for name in IMAGE_MODELS if name.startswith(("Qwen", "Glm"))}
@@ -110,6 +111,8 @@ def _with_media_tokens_in_the_vocabulary(
     path = folder / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config.update({key: value for key, value in ids.items() if key in config})
+    if "vocabulary_map" in config:  # Emu3: its image tokenizer's codes are words of its own
+        config["vocabulary_map"] = _emu3_vocabulary(config["vq_config"]["codebook_size"])
     if "image_grid_pinpoints" in config:
         # LLaVA-NeXT, LLaVA-OneVision: tile images of the tiny tower's size, not 336-pixel ones.
         size = config["vision_config"]["image_size"]
@@ -118,6 +121,15 @@ def _with_media_tokens_in_the_vocabulary(
     if config["model_type"].startswith("gemma"):
         _quieter_word_embeddings(folder / "model.safetensors")
     return folder
+
+
+def _emu3_vocabulary(codes: int) -> dict[str, int]:
+    """Emu3's map from its image tokenizer's codes (and its image placeholder and end-of-row
+    token) to ids of the tiny vocabulary: the codes take ids from 20 on, clear of the special
+    tokens and of the media ids at the vocabulary's end."""
+    vocabulary = models.vocab_size()
+    words = {f"<|visual token {code:06d}|>": 20 + code for code in range(codes)}
+    return {**words, "<image>": vocabulary + IMAGE_TOKEN, "<|extra_200|>": vocabulary + VISION_END}
 
 
 def _quieter_word_embeddings(checkpoint: Path) -> None:
@@ -169,7 +181,8 @@ def _media_prompt(
     """:data:`PROMPT` with one random image, or one random sound (a model without an image
     tower, or ``sound``), after its first word, and the inputs that carry it."""
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
-    if sound or getattr(reference.config, "vision_config", None) is None:
+    config = reference.config
+    if sound or getattr(config, "vision_config", getattr(config, "vq_config", None)) is None:
         return _audio_prompt(reference, words)
     return _image_prompt(reference, words)
 
@@ -202,14 +215,18 @@ def _audio_prompt(
         placeholders = int(tower._get_feat_extract_output_lengths(mask.sum(-1))[-1].item())
     else:
         with torch.no_grad():
-            # GLM-ASR has it on the whole model, Gemma 4 on its inner one.
-            audio_features = getattr(reference, "get_audio_features", None)
-            output = (audio_features or reference.model.get_audio_features)(features, mask)
+            output = _own_method(reference, "get_audio_features")(features, mask)
         frames = getattr(output, "pooler_output", output)
         placeholders = frames.reshape(-1, frames.shape[-1]).shape[0]
     audio_tokens = torch.full((placeholders,), models.vocab_size() + IMAGE_TOKEN)
     prompt = torch.cat([words[:1], audio_tokens, words[1:]]).unsqueeze(0)
     return prompt, {"input_features": features, mask_name: mask}
+
+
+def _own_method(reference: Any, name: str) -> Any:
+    """The model's method ``name``: on the whole model, or on its inner one (Gemma 4's audio,
+    Emu3's images)."""
+    return getattr(reference, name, None) or getattr(reference.model, name)
 
 
 def _seeded() -> torch.Generator:
@@ -220,7 +237,12 @@ def _seeded() -> torch.Generator:
 def _pixels(reference: Any) -> dict[str, torch.Tensor]:
     """The inputs that carry one random image to a tower that takes whole images (or, Gemma 4,
     patches with their positions) and says itself how many features it puts out."""
-    vision = reference.config.vision_config
+    vision = getattr(reference.config, "vision_config", None)
+    if vision is None:  # Emu3: an image of 8 x 8 pixels, 4 x 4 codes and an end-of-row each row
+        return {
+            "pixel_values": torch.randn(1, 3, 8, 8, generator=_seeded()),
+            "image_sizes": torch.tensor([[8, 8]]),
+        }
     if hasattr(vision, "pooling_kernel_size"):  # Gemma 4: patches and their (x, y)
         side = 2 * vision.pooling_kernel_size
         patch = getattr(vision, "model_patch_size", None) or vision.patch_size
@@ -252,7 +274,7 @@ def _image_prompt(
     and the inputs that carry the image: ``pixel_values`` and, where the model asks, the image's
     patch grid, patch positions, size or pixel mask."""
     vocabulary = models.vocab_size()
-    vision = reference.config.vision_config
+    vision = getattr(reference.config, "vision_config", None)  # Emu3 has none
     merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None)
     if merge:  # Qwen, GLM-4V, MuseGlimmer: flattened patches on a grid
         side = 2 * merge
@@ -269,7 +291,7 @@ def _image_prompt(
     else:  # one placeholder per feature the tower and projector put out
         inputs = _pixels(reference)
         with torch.no_grad():
-            features = reference.get_image_features(**inputs)
+            features = _own_method(reference, "get_image_features")(**inputs)
         if getattr(features, "pooler_output", None) is not None:
             features = features.pooler_output
         elif hasattr(features, "last_hidden_state"):  # Llama 4 with transformers 5.23
