@@ -388,7 +388,17 @@ TOWERS: dict[str, dict[str, dict[str, Any]]] = {
     # Its tower's attention has 12 key/value heads of 64 by default, for 2 query heads here.
     "Gemma4ForConditionalGeneration": {"vision_config": {"num_key_value_heads": 2, "head_dim": 16}},
     "Gemma3nForConditionalGeneration": {
-        "vision_config": {"architecture": "mobilenetv5_base"},  # timm's smallest MobileNet-V5
+        # timm's smallest MobileNet-V5 (80 million weights as built, 320 MB) at a fortieth of
+        # its channels, its features as wide as the tower's hidden size (2,048 by default) on a
+        # 2 x 2 grid (16 x 16): an image is 4 soft tokens.
+        "vision_config": {
+            "architecture": "mobilenetv5_base",
+            "model_args": {
+                "channel_multiplier": 0.025,
+                "num_features": 32,
+                "msfa_output_resolution": 2,
+            },
+        },
         "audio_config": {
             "hidden_size": 32,
             "input_feat_size": 16,
@@ -422,6 +432,8 @@ COMPOSITE: dict[str, dict[str, Any]] = {
     "MuseGlimmerForConditionalGeneration": {"out_hidden_size": 128, "projector_hidden_size": 32},
     # Its projector pools the tower's 4 x 4 patches to a square of this many (16 x 16 by default).
     "Gemma3ForConditionalGeneration": {"mm_tokens_per_image": 4},
+    # Its tower's 2 x 2 grid of features (TOWERS): soft tokens per image (256 by default).
+    "Gemma3nForConditionalGeneration": {"vision_soft_tokens_per_image": 4},
 }
 #: Audio-text decoders (an audio encoder before a causal language model), generating text only,
 #: as :data:`VISION_LANGUAGE`; their audio towers take the sizes of :data:`TINY_AUDIO` they have.

@@ -7,14 +7,16 @@ Qwen's and GLM-4V's generated tokens also depend on the image's grid. Hugging Fa
 ``generate`` of the same checkpoint is the reference. The tiny checkpoints of
 ``benchmarks/bridge_architectures.py`` are copied with their image or audio tokens moved into the
 tiny vocabulary (their default ids lie beyond it). Of the vision-language ones the Qwens and GLM-4V
-need torchvision (TransformerLens's adapters import it), which the CI machines lack:
-their runs are recorded in ``docs/reliability.md``, and the fix they need is also tested on
-Hugging Face's Qwen2.5-VL alone, stepped as the bridge steps it. The audio-text ones need nothing
+need torchvision (TransformerLens's adapters import it): they run in tox's ``py312-tl430-vision``
+(PyPI's build of torch, whose torchvision loads; the CPU build of torch 2.13 has none that does),
+and the fix they need is also tested on Hugging Face's Qwen2.5-VL alone, stepped as the bridge
+steps it, everywhere. The audio-text ones need nothing
 more; Gemma 4, built with an image tower only, gets a tiny audio tower for its sound tests
 (``Gemma4ForConditionalGeneration+audio``). Gemma's copies also get word embeddings a tenth as
 large: as built, the tiny Gemmas pick the same token whatever their prompt, image or none.
 Emu3's image tokenizer turns an image into codes that are words of its own vocabulary: its copy
-maps them into the tiny one. Gemma 3n (whose tower needs timm) is left out.
+maps them into the tiny one. Gemma 3n is left out: TransformerLens 4.3 boots it as text only
+(``pixel_values can only be passed to multimodal or vision models``, stock as patched).
 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
@@ -77,13 +79,13 @@ AUDIO_MODELS = [
 #: Qwen's placeholders and the tokens around an image (Llava reads only the placeholder); the
 #: audio placeholder takes the image's id; the video placeholder, only in the video tests.
 IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = -1, -2, -3, -4
-#: Those that take a video (``pixel_values_videos``). GLM-4V takes its frames as images between
-#: video tokens, which these tests do not build.
+#: Those that take a video (``pixel_values_videos``).
 VIDEO_MODELS = [
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "MuseGlimmerForConditionalGeneration",
+    "Glm4vForConditionalGeneration",
 ]
 
 
@@ -148,8 +150,9 @@ def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     """:data:`PROMPT` with a random video (seed 0) of two frames (one step of the tower's
     temporal patches, each frame a grid of 2 x 2 merged patches) after its first word, and the
     inputs that carry it. Qwen2.5-VL's processor puts the whole video between one pair of vision
-    tokens, the later Qwens each frame (after its timestamp, left out here); MuseGlimmer has no
-    such tokens."""
+    tokens, the later Qwens and GLM-4V each frame (after its timestamp, left out here); MuseGlimmer
+    has no such tokens. GLM-4V's frames are image placeholders that ``mm_token_type_ids`` marks
+    as a video's."""
     vocabulary = models.vocab_size()
     vision = reference.config.vision_config
     merge = getattr(vision, "spatial_merge_size", None) or vision.merge_size
@@ -160,7 +163,9 @@ def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
         "pixel_values_videos": torch.randn(frames * side * side, patch, generator=_seeded()),
         "video_grid_thw": torch.tensor([[frames, side, side]]),
     }
-    frame = [vocabulary + VIDEO_TOKEN] * (side * side // merge**2)
+    glm = reference.config.model_type.startswith("glm")
+    placeholder = vocabulary + (IMAGE_TOKEN if glm else VIDEO_TOKEN)
+    frame = [placeholder] * (side * side // merge**2)
     start, end = vocabulary + VISION_START, vocabulary + VISION_END
     if not hasattr(vision, "spatial_merge_size"):  # MuseGlimmer
         video = frame * frames
@@ -171,7 +176,7 @@ def _video_prompt(reference: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     words = models.load_tokenizer()(PROMPT, return_tensors="pt")["input_ids"][0]
     prompt = torch.cat([words[:1], torch.tensor(video), words[1:]]).unsqueeze(0)
     if "mm_token_type_ids" in inspect.signature(reference.forward).parameters:
-        inputs["mm_token_type_ids"] = 2 * (prompt == vocabulary + VIDEO_TOKEN).long()  # 2 = video
+        inputs["mm_token_type_ids"] = 2 * (prompt == placeholder).long()  # 2 = video
     return prompt, inputs
 
 
