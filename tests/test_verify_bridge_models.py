@@ -363,15 +363,21 @@ def test_booting_a_vision_language_checkpoint_installs_nothing(
         assert environment["PIP_FIND_LINKS"] != before["PIP_FIND_LINKS"]
 
 
-PIP_DRY_RUN = (sys.executable, "-m", "pip", "install", "--dry-run", "--quiet")
-
-
 def test_pip_refuses_to_install_while_installs_are_refused() -> None:
     """The guard above, against the real pip (``--dry-run``: nothing is installed either way)."""
     with bridge.package_installs_refused():
         done = subprocess.run(
             # --ignore-installed: where torchvision is installed, pip must still look for it.
-            [*PIP_DRY_RUN, "--ignore-installed", "torchvision"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--ignore-installed",
+                "torchvision",
+            ],
             capture_output=True,
             text=True,
             timeout=300,
