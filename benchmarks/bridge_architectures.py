@@ -13,11 +13,13 @@ model's own cached path rounds differently (recurrent states, HRM's loops), twic
 as right.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_architectures.py [--architectures A,B] [--json PATH]
-        [--dtype float32|float16|bfloat16] [--conversion boot|half|to]
+        [--dtype float32|float16|bfloat16] [--conversion boot|half|to] [--compatibility-mode]
 
 An architecture the installed transformers or TransformerLens lacks, or whose tiny checkpoint
 cannot be built or booted, gets a row saying why. CPU; float32 unless ``--dtype`` says otherwise,
 where right means within the verifier's tolerance for that dtype and a cache stored in it.
+``--compatibility-mode`` calls the bridge's ``enable_compatibility_mode()`` after booting (folded
+layer norms, centred weights, ``HookedTransformer``'s hook names), as many users do.
 """
 
 from __future__ import annotations
@@ -774,16 +776,25 @@ def last_line(error: BaseException) -> str:
     return traceback.format_exception_only(error)[-1].strip()[:120]
 
 
-def boot(folder: str, dtype: torch.dtype = torch.float32, conversion: str = "boot") -> Any:
+def boot(
+    folder: str,
+    dtype: torch.dtype = torch.float32,
+    conversion: str = "boot",
+    compatibility_mode: bool = False,
+) -> Any:
     """Boot the tiny checkpoint in ``folder`` in ``dtype``, with the tiny tokenizer itself.
 
     transformers 5 loads some model types' tokenizers as their own class whatever the folder
     says (Qwen2, Qwen3.5-MoE), which reads every prompt of the word-level tokenizer as one token.
-    ``conversion``: how the dtype is reached (:data:`safelens_tl.verify.bridge.CONVERSIONS`).
+    ``conversion``: how the dtype is reached (:data:`safelens_tl.verify.bridge.CONVERSIONS`);
+    ``compatibility_mode``: then call ``enable_compatibility_mode()`` (processed weights).
     """
-    return bridge.boot_folder(
+    model = bridge.boot_folder(
         folder, dtype, conversion=conversion, tokenizer=models.load_tokenizer()
     )
+    if compatibility_mode:
+        model.enable_compatibility_mode(disable_warnings=True)
+    return model
 
 
 def quietly() -> contextlib.AbstractContextManager[Any]:
@@ -792,13 +803,17 @@ def quietly() -> contextlib.AbstractContextManager[Any]:
 
 
 def run(
-    folder: str, active: bool, dtype: torch.dtype = torch.float32, conversion: str = "boot"
+    folder: str,
+    active: bool,
+    dtype: torch.dtype = torch.float32,
+    conversion: str = "boot",
+    compatibility_mode: bool = False,
 ) -> Outcome:
     """Generate cached and uncached on every batch; stock when ``active`` is false."""
     name = diagnostics.dtype_name(dtype)
     try:
         with patched(active), quietly():
-            model = boot(folder, dtype, conversion)
+            model = boot(folder, dtype, conversion, compatibility_mode)
             runs = bridge.run_batches(model, bridge.reference_from(folder, dtype))
     except Exception as error:  # a row saying why, not a crash
         return Outcome(error=last_line(error), dtype=name)
@@ -859,6 +874,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=bridge.CONVERSIONS,
         help="boot in the dtype, or boot in float32 and call .half()/.bfloat16() or .to(dtype)",
     )
+    parser.add_argument(
+        "--compatibility-mode",
+        action="store_true",
+        help="call enable_compatibility_mode() after booting (processed weights, legacy hooks)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     arguments = parser.parse_args(argv)
     dtype = getattr(torch, arguments.dtype)
@@ -869,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--architectures: unknown {unknown}; expected some of {list(ALL_ARCHITECTURES)}"
         )
     how = "" if arguments.conversion == "boot" else f" by {arguments.conversion}"
+    if arguments.compatibility_mode:
+        how += ", compatibility mode"
     table = Table(
         title=f"cached TransformerBridge generate, {arguments.dtype}{how}, "
         f"right within {checks.TOLERANCES[dtype]:.0e}, wrong above {WRONG}"
@@ -889,8 +911,9 @@ def main(argv: list[str] | None = None) -> int:
             results[architecture] = {"build_error": missing.error}
             write_json(arguments.json, results)
             continue
-        patched = run(folder, True, dtype, arguments.conversion)
-        stock = run(folder, False, dtype, arguments.conversion)
+        mode = arguments.compatibility_mode
+        patched = run(folder, True, dtype, arguments.conversion, mode)
+        stock = run(folder, False, dtype, arguments.conversion, mode)
         own = patched.hugging_face_rel_err
         own_text = "" if own is None else f"{own:.1e}"
         table.add_row(architecture, patched.text(), stock.text(), own_text, verdict(patched, stock))

@@ -295,6 +295,22 @@ def test_bridge_hf_generate_verdicts() -> None:
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_architectures_checks_compatibility_mode(tmp_path: Path) -> None:
+    """``--compatibility-mode``: the sweep processes the weights before generating, and Llama's
+    cached generation still agrees with the processed bridge's uncached forward."""
+    path = tmp_path / "architectures.json"
+    done = run_script(
+        "bridge_architectures.py", "--architectures", "LlamaForCausalLM", "--compatibility-mode",
+        "--json", str(path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compatibility mode" in done.stdout
+    patched = json.loads(path.read_text())["LlamaForCausalLM"]["patched"]
+    assert patched["error"] is None and patched["tokens_equal"], patched
+    assert patched["max_rel_err"] <= checks.TOLERANCES[torch.float32], patched
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_bridge_architectures_in_bfloat16_checks_the_cache_dtype(tmp_path: Path) -> None:
     """``--dtype bfloat16``: Llama's cache holds bfloat16 keys and its cached logits are within
     the verifier's bfloat16 tolerance; Mamba keeps no keys, and is held to twice Hugging Face's

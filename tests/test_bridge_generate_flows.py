@@ -10,6 +10,7 @@ breaking these paths.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,6 +105,25 @@ def test_hooks_act_on_cached_steps_as_on_the_uncached_forward(model: Any) -> Non
     scale = hooked.abs().max()
     assert (plain - hooked).abs().max() / scale > 0.01  # the hook changes what is computed
     assert (cached - hooked).abs().max() / scale <= checks.TOLERANCES[torch.float32]
+
+
+def test_compatibility_mode_generates_what_its_uncached_forward_picks(model: Any) -> None:
+    """``enable_compatibility_mode()`` folds the layer norms into the weights and centres them,
+    as ``HookedTransformer`` loads models, and renames the hooks: the cached steps must then give
+    the processed model's uncached logits, and the tokens the bridge gave before (folding and
+    centring move each position's logits by one constant, which greedy decoding ignores). (Stock
+    fails this with transformers 5.24: its cache is ignored.)"""
+    before = model.generate(PROMPTS, **_greedy())
+    unprocessed = _uncached_logits(model, before)[:, -NEW_TOKENS - 1 : -1]
+    with contextlib.redirect_stdout(None):
+        model.enable_compatibility_mode(disable_warnings=True)
+    output = model.generate(PROMPTS, output_logits=True, **_greedy())
+    cached = torch.stack(list(output.logits), dim=1)
+    processed = _uncached_logits(model, output.sequences)[:, -NEW_TOKENS - 1 : -1]
+    scale = processed.abs().max()
+    assert (unprocessed - processed).abs().max() / scale > 0.01  # the weights were processed
+    assert (cached - processed).abs().max() / scale <= checks.TOLERANCES[torch.float32]
+    assert torch.equal(output.sequences, before)
 
 
 def test_a_row_that_ends_early_stops_where_the_uncached_forward_does(model: Any) -> None:
