@@ -94,6 +94,32 @@ def test_fp32_cached_generation_is_identical_to_uncached(patched: Any, name: str
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_split_inputs_and_per_head_results_keep_the_cache_right(patched: Any, name: str) -> None:
+    """``set_use_split_qkv_input``, ``set_use_attn_result``, ``set_use_hook_mlp_in`` (and
+    ``set_use_attn_in``, which grouped-query attention refuses) take other paths through
+    attention: keys computed per head from a per-head input. In bfloat16 the cached logits must
+    stay within tolerance, the cache in bfloat16 with the config's key-value heads, and greedy
+    generation must pick what uncached generation picks. (TransformerLens 3.0.0 stock fails
+    this: the cache it makes is float32.)"""
+    from safelens_tl.verify.models import build_model
+
+    model = build_model(name, torch.bfloat16)
+    model.set_use_split_qkv_input(True)
+    model.set_use_attn_result(True)
+    model.set_use_hook_mlp_in(True)
+    if not model.cfg.n_key_value_heads:
+        model.set_use_attn_in(True)
+    result = checks.teacher_forced(model)
+    assert result.max_rel_err <= checks.TOLERANCES[torch.bfloat16], result.max_rel_err
+    heads = model.cfg.n_key_value_heads or model.cfg.n_heads
+    for entry in result.cache.entries:
+        assert entry.past_keys.dtype == torch.bfloat16, entry.past_keys.dtype
+        assert entry.past_keys.shape[2] == heads, entry.past_keys.shape
+    agreement, _ = checks.greedy_agreement(model, max_new_tokens=8)
+    assert agreement == 1.0, agreement
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_generation_without_the_storage_count_uses_torch_cat(
     patched: Any, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
