@@ -14,12 +14,14 @@ as right.
 
     HF_HUB_OFFLINE=1 python benchmarks/bridge_architectures.py [--architectures A,B] [--json PATH]
         [--dtype float32|float16|bfloat16] [--conversion boot|half|to] [--compatibility-mode]
+        [--autocast float16|bfloat16]
 
 An architecture the installed transformers or TransformerLens lacks, or whose tiny checkpoint
 cannot be built or booted, gets a row saying why. CPU; float32 unless ``--dtype`` says otherwise,
 where right means within the verifier's tolerance for that dtype and a cache stored in it.
 ``--compatibility-mode`` calls the bridge's ``enable_compatibility_mode()`` after booting (folded
-layer norms, centred weights, ``HookedTransformer``'s hook names), as many users do.
+layer norms, centred weights, ``HookedTransformer``'s hook names), as many users do;
+``--autocast`` generates (and compares) under ``torch.autocast`` to that dtype.
 """
 
 from __future__ import annotations
@@ -587,6 +589,14 @@ class Outcome:
     #: (``BridgeRun.expected_cache_heads``: the config's count or Hugging Face's own).
     cache_heads: int | None = None
     expected_heads: int | None = None
+    #: The dtype of ``torch.autocast`` around generation, if any: it computes in that precision,
+    #: and keys are cached in whichever of it and the model's dtype they were computed in.
+    autocast: str | None = None
+
+    @property
+    def precision(self) -> str:
+        """The dtype the logits are rounded to: autocast's, else the model's."""
+        return self.autocast or self.dtype
 
     def within_rounding(self) -> bool:
         """Logits within the verifier's tolerance for the dtype, or twice Hugging Face's own
@@ -594,19 +604,19 @@ class Outcome:
         if self.error is not None or self.max_rel_err is None:
             return False
         own = self.hugging_face_rel_err or 0.0
-        tolerance = checks.TOLERANCES[getattr(torch, self.dtype)]
+        tolerance = checks.TOLERANCES[getattr(torch, self.precision)]
         return self.max_rel_err <= max(tolerance, bridge.OWN_ROUNDING_FACTOR * own)
 
     def cache_right(self) -> bool:
         """The cache, if the model keeps keys at all, holds the model's dtype and as many heads
         as a correct cache holds."""
         heads_right = self.cache_heads is None or self.cache_heads == self.expected_heads
-        return self.cache_dtype in (None, self.dtype) and heads_right
+        return self.cache_dtype in (None, self.dtype, self.autocast) and heads_right
 
     def cache_problem(self) -> str:
         """What :meth:`cache_right` found wrong, or ``""``."""
         problems = []
-        if self.cache_dtype not in (None, self.dtype):
+        if self.cache_dtype not in (None, self.dtype, self.autocast):
             problems.append(f"cache in {self.cache_dtype}")
         if self.cache_heads is not None and self.cache_heads != self.expected_heads:
             problems.append(f"{self.cache_heads} cached heads, {self.expected_heads} expected")
@@ -619,16 +629,17 @@ class Outcome:
         bfloat16); the logits compared are over the same sequence, so that still shows."""
         if not self.within_rounding() or not self.cache_right():
             return False
-        return bool(self.tokens_equal) or self.dtype != "float32"
+        return bool(self.tokens_equal) or self.precision != "float32"
 
     def wrong(self) -> bool:
-        """Far off: the cache ignored or lost (above :data:`WRONG`), or other tokens, for logits
-        outside rounding. Within twice Hugging Face's own error is never wrong: HRM's loops in
-        half precision move Hugging Face's own cached logits by more than 1 (bfloat16)."""
+        """Far off: the cache ignored or lost (above :data:`WRONG`), NaN logits, or other tokens,
+        for logits outside rounding. Within twice Hugging Face's own error is never wrong: HRM's
+        loops in half precision move Hugging Face's own cached logits by more than 1 (bfloat16)."""
         assert self.max_rel_err is not None
         if self.within_rounding():
             return False
-        return self.max_rel_err > WRONG or not self.tokens_equal
+        # Written as "not <=" so that NaN is wrong too.
+        return not self.max_rel_err <= WRONG or not self.tokens_equal
 
     def text(self) -> str:
         """The table cell."""
@@ -808,25 +819,34 @@ def run(
     dtype: torch.dtype = torch.float32,
     conversion: str = "boot",
     compatibility_mode: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Outcome:
-    """Generate cached and uncached on every batch; stock when ``active`` is false."""
+    """Generate cached and uncached on every batch; stock when ``active`` is false; under
+    ``torch.autocast`` to ``autocast`` when given."""
     name = diagnostics.dtype_name(dtype)
+    computing = (
+        contextlib.nullcontext()
+        if autocast is None
+        else torch.autocast(device_type="cpu", dtype=autocast)
+    )
     try:
         with patched(active), quietly():
             model = boot(folder, dtype, conversion, compatibility_mode)
-            runs = bridge.run_batches(model, bridge.reference_from(folder, dtype))
+            with computing:
+                runs = bridge.run_batches(model, bridge.reference_from(folder, dtype))
     except Exception as error:  # a row saying why, not a crash
         return Outcome(error=last_line(error), dtype=name)
     stored = {diagnostics.dtype_name(r.cache_dtype) for r in runs if r.cache_dtype is not None}
     heads = [r.cache_heads for r in runs if r.cache_heads is not None]
     return Outcome(
-        max_rel_err=max(r.max_rel_err for r in runs),
+        max_rel_err=bridge.worst_error(r.max_rel_err for r in runs),
         tokens_equal=all(torch.equal(r.cached_tokens, r.uncached_tokens) for r in runs),
         hugging_face_rel_err=max(r.hugging_face_cached_rel_err or 0.0 for r in runs),
         dtype=name,
         cache_dtype=",".join(sorted(stored)) or None,
         cache_heads=heads[0] if heads else None,
         expected_heads=runs[0].expected_cache_heads,
+        autocast=None if autocast is None else diagnostics.dtype_name(autocast),
     )
 
 
@@ -879,9 +899,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="call enable_compatibility_mode() after booting (processed weights, legacy hooks)",
     )
+    parser.add_argument(
+        "--autocast",
+        choices=("float16", "bfloat16"),
+        help="generate under torch.autocast to this dtype (the model stays in --dtype)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     arguments = parser.parse_args(argv)
     dtype = getattr(torch, arguments.dtype)
+    autocast = None if arguments.autocast is None else getattr(torch, arguments.autocast)
     chosen = [name.strip() for name in arguments.architectures.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in ALL_ARCHITECTURES]
     if unknown:
@@ -891,9 +917,12 @@ def main(argv: list[str] | None = None) -> int:
     how = "" if arguments.conversion == "boot" else f" by {arguments.conversion}"
     if arguments.compatibility_mode:
         how += ", compatibility mode"
+    if autocast is not None:
+        how += f", under autocast to {arguments.autocast}"
+    tolerance = checks.TOLERANCES[autocast or dtype]
     table = Table(
         title=f"cached TransformerBridge generate, {arguments.dtype}{how}, "
-        f"right within {checks.TOLERANCES[dtype]:.0e}, wrong above {WRONG}"
+        f"right within {tolerance:.0e}, wrong above {WRONG}"
     )
     columns = ("architecture", "patched: cached vs uncached", "stock", "HF's own", "verdict")
     for column in columns:
@@ -912,8 +941,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(arguments.json, results)
             continue
         mode = arguments.compatibility_mode
-        patched = run(folder, True, dtype, arguments.conversion, mode)
-        stock = run(folder, False, dtype, arguments.conversion, mode)
+        patched = run(folder, True, dtype, arguments.conversion, mode, autocast)
+        stock = run(folder, False, dtype, arguments.conversion, mode, autocast)
         own = patched.hugging_face_rel_err
         own_text = "" if own is None else f"{own:.1e}"
         table.add_row(architecture, patched.text(), stock.text(), own_text, verdict(patched, stock))

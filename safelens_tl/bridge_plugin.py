@@ -8,9 +8,9 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_codegen`, :mod:`safelens_tl.bridge_hybrid_cache`,
 :mod:`safelens_tl.bridge_gated_delta`, :mod:`safelens_tl.bridge_hf_generate_mask`,
 :mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
-:mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_state_mask`,
-:mod:`safelens_tl.bridge_uncached_media`, :mod:`safelens_tl.bridge_stateful_generate` and
-:mod:`safelens_tl.bridge_cohere_rotary`.
+:mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_mask_dtype`,
+:mod:`safelens_tl.bridge_state_mask`, :mod:`safelens_tl.bridge_uncached_media`,
+:mod:`safelens_tl.bridge_stateful_generate` and :mod:`safelens_tl.bridge_cohere_rotary`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from safelens_tl import (
     bridge_gated_delta,
     bridge_hf_generate_mask,
     bridge_hybrid_cache,
+    bridge_mask_dtype,
     bridge_model_call,
     bridge_rotary_dtype,
     bridge_state_mask,
@@ -120,10 +121,10 @@ def bridge_patches() -> Iterator[Patch | Failure]:
     yield _own_method_patch(
         bridge.attention_class,
         "_apply_reconstruct_attention_mask",
-        bridge_attention_mask.keeping_the_causal_mask,
+        _attention_mask_wrapper,
         "attention masks",
         "a forward with an attention_mask may attend to later positions in models whose mask "
-        "marks only padding (OpenAI GPT)",
+        "marks only padding (OpenAI GPT), and padded rows may come out as NaN under autocast",
     )
     gated_delta = bridge.gated_delta_net_class
     if gated_delta is not None and bridge_gated_delta.reads_functions_from_the_layer(
@@ -225,6 +226,17 @@ def _generate_wrapper(generate: Callable[..., Any]) -> Callable[..., Any]:
         generate,
         bridge_stateful_generate.recording_generate_options,
         bridge_uncached_media.passing_media_at_every_step,
+    )
+
+
+def _attention_mask_wrapper(apply_mask: Callable[..., Any]) -> Callable[..., Any]:
+    """``AttentionBridge._apply_reconstruct_attention_mask`` with both of its fixes: a float32
+    mask saturating on half-precision scores (autocast), and a padding-row mask keeping the
+    causal mask."""
+    return _composed(
+        apply_mask,
+        bridge_mask_dtype.saturating_the_mask,
+        bridge_attention_mask.keeping_the_causal_mask,
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl.verify import checks
+from safelens_tl.verify import bridge, checks
 from tests.conftest import (
     BENCHMARKS,
     HAS_BRIDGE,
@@ -262,6 +262,7 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
             "cache_dtype",
             "cache_heads",
             "expected_heads",
+            "autocast",
         }
         assert patched["dtype"] == patched["cache_dtype"] == "float32", (name, patched)
         assert patched["cache_heads"] == patched["expected_heads"] == 2, (name, patched)
@@ -308,6 +309,23 @@ def test_bridge_architectures_checks_compatibility_mode(tmp_path: Path) -> None:
     patched = json.loads(path.read_text())["LlamaForCausalLM"]["patched"]
     assert patched["error"] is None and patched["tokens_equal"], patched
     assert patched["max_rel_err"] <= checks.TOLERANCES[torch.float32], patched
+
+
+@pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
+def test_bridge_architectures_under_autocast_holds_bfloat16_rounding(tmp_path: Path) -> None:
+    """``--autocast bfloat16``: a float32 Llama generating under autocast is held to bfloat16's
+    tolerance, its padded batch included (NaN there before safelens-tl's mask fix)."""
+    path = tmp_path / "architectures.json"
+    done = run_script(
+        "bridge_architectures.py", "--architectures", "LlamaForCausalLM", "--autocast",
+        "bfloat16", "--json", str(path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "under autocast to bfloat16" in done.stdout
+    patched = json.loads(path.read_text())["LlamaForCausalLM"]["patched"]
+    assert patched["autocast"] == "bfloat16" and patched["dtype"] == "float32", patched
+    assert patched["error"] is None and patched["tokens_equal"], patched
+    assert patched["max_rel_err"] <= checks.TOLERANCES[torch.bfloat16], patched
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
@@ -403,6 +421,17 @@ def test_half_precision_tolerates_greedy_ties_but_not_a_cache_in_another_dtype()
     ungrouped = outcome(max_rel_err=0.0, tokens_equal=True, cache_heads=4, expected_heads=2)
     assert not ungrouped.right()
     assert "4 cached heads, 2 expected" in architectures.verdict(ungrouped, stock)
+    # NaN logits (a padded row under autocast, stock) with the same, meaningless, tokens.
+    nan = outcome(max_rel_err=math.nan, tokens_equal=True, hugging_face_rel_err=0.0)
+    assert nan.wrong() and not nan.right()
+
+
+def test_the_worst_error_of_several_runs_is_nan_when_any_is() -> None:
+    """Python's ``max`` keeps a number that comes before a NaN: the sweep reported a padded
+    batch's NaN logits as right because the single prompt ran first."""
+    assert math.isnan(bridge.worst_error([0.0, math.nan]))
+    assert math.isnan(bridge.worst_error([math.nan, 0.0]))
+    assert bridge.worst_error([1e-6, 3e-6, 2e-6]) == 3e-6
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import tempfile
 import time
@@ -578,6 +579,13 @@ def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.float()
     difference = (logits.float().to(expected.device) - expected).abs().max()
     return float(difference / expected.abs().max().clamp_min(1e-6))
+
+
+def worst_error(errors: Iterable[float]) -> float:
+    """The largest of ``errors``, or NaN when any is NaN: Python's ``max`` keeps whichever of a
+    number and a NaN comes first, and so could report NaN logits as right."""
+    values = list(errors)
+    return math.nan if any(math.isnan(value) for value in values) else max(values)
 
 
 def run_bridge(

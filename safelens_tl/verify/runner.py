@@ -343,7 +343,7 @@ def _bridge_check(
         architecture=worst.architecture,
         tolerance=tolerance,
         max_rel_err=worst.max_rel_err,
-        reference_rel_err=max(run.reference_rel_err for run in runs),
+        reference_rel_err=bridge.worst_error(run.reference_rel_err for run in runs),
         reference_tolerance=reference_tolerance,
         hugging_face_cached_rel_err=own_rounding,
         generate_ok=True,
