@@ -10,7 +10,8 @@ code has (feature detection), never by version numbers: see :mod:`safelens_tl.br
 :mod:`safelens_tl.bridge_t5_block`, :mod:`safelens_tl.bridge_t5_legacy_block`,
 :mod:`safelens_tl.bridge_attention_mask`, :mod:`safelens_tl.bridge_mask_dtype`,
 :mod:`safelens_tl.bridge_state_mask`, :mod:`safelens_tl.bridge_uncached_media`,
-:mod:`safelens_tl.bridge_stateful_generate` and :mod:`safelens_tl.bridge_cohere_rotary`.
+:mod:`safelens_tl.bridge_stateful_generate`, :mod:`safelens_tl.bridge_generate_batch` and
+:mod:`safelens_tl.bridge_cohere_rotary`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from safelens_tl import (
     bridge_cohere_rotary,
     bridge_conversion,
     bridge_gated_delta,
+    bridge_generate_batch,
     bridge_hf_generate_mask,
     bridge_hybrid_cache,
     bridge_mask_dtype,
@@ -220,13 +222,17 @@ def _composed(original: Callable[..., Any], *wrappers: _Wrapper) -> Callable[...
 
 
 def _generate_wrapper(generate: Callable[..., Any]) -> Callable[..., Any]:
-    """``TransformerBridge.generate`` with both of its fixes: media at every uncached step, and
-    a state-space model's options kept for its fallback to ``hf_generate``."""
-    return _composed(
-        generate,
+    """``TransformerBridge.generate`` with its fixes: media at every uncached step, a
+    state-space model's options kept for its fallback to ``hf_generate``, and, where the release
+    uses no attention mask (TransformerLens 3.0-3.7), text prompts of different lengths
+    generated one at a time."""
+    wrappers: list[_Wrapper] = [
         bridge_stateful_generate.recording_generate_options,
         bridge_uncached_media.passing_media_at_every_step,
-    )
+    ]
+    if bridge_hf_generate_mask.drops_the_attention_mask(generate):
+        wrappers.insert(0, bridge_generate_batch.generating_each_prompt_alone)
+    return _composed(generate, *wrappers)
 
 
 def _attention_mask_wrapper(apply_mask: Callable[..., Any]) -> Callable[..., Any]:
