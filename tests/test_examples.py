@@ -9,17 +9,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import requires_hooked_transformer
+from tests.conftest import requires_bridge, requires_hooked_transformer
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+EXAMPLES = Path(__file__).parent.parent / "examples"
+#: Each example and the TransformerLens API it needs.
+NEEDS: dict[str, pytest.MarkDecorator] = {
+    "fp16_generate.py": requires_hooked_transformer,
+    "own_decode_loop.py": requires_hooked_transformer,
+    "transformer_bridge.py": requires_bridge,
+}
 
 
-@requires_hooked_transformer
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
-def test_example_runs(script: Path) -> None:
+def test_every_example_is_listed() -> None:
+    assert sorted(path.name for path in EXAMPLES.glob("*.py")) == sorted(NEEDS)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=mark) for name, mark in sorted(NEEDS.items())]
+)
+def test_example_runs(name: str) -> None:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
     completed = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         env=environment,
