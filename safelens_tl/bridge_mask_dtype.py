@@ -7,10 +7,11 @@ Face built the mask in the model's float32, with ``torch.finfo(torch.float32).mi
 masked position; that value is beyond both half dtypes' range, so the cast makes it -inf. A query
 that sees no key at all (the leading pads of a left-padded row) then has only -inf scores, its
 softmax is NaN, and the NaN reaches every position of that row from the next layer on (a masked
-key's weight is 0, and 0 x NaN is NaN). With about 60 of the architectures TransformerLens 4.3
-supports, every padded row of a batch came out as NaN logits under autocast, cached and uncached,
-and ``generate`` picked token 0 for it; Hugging Face's own model, which adds the float32 mask to
-the half-precision scores in float32, is not affected.
+key's weight is 0, and 0 x NaN is NaN). With 71 of the 108 architectures of
+``benchmarks/bridge_architectures.py`` on TransformerLens 4.3, every padded row of a batch came
+out as NaN logits under autocast, cached and uncached, and ``generate`` picked token 0 for it;
+Hugging Face's own model, which adds the float32 mask to the half-precision scores in float32,
+is not affected.
 
 Here a floating mask wider than the scores is clamped to the scores' lowest finite value before
 that cast: a fully masked query attends evenly to its keys, as in Hugging Face's own forward, and
