@@ -608,8 +608,8 @@ class Outcome:
         return self.max_rel_err <= max(tolerance, bridge.OWN_ROUNDING_FACTOR * own)
 
     def cache_right(self) -> bool:
-        """The cache, if the model keeps keys at all, holds the model's dtype and as many heads
-        as a correct cache holds."""
+        """The cache, if the model keeps keys at all, holds the model's dtype (or, under autocast,
+        the dtype autocast computes in) and as many heads as a correct cache holds."""
         heads_right = self.cache_heads is None or self.cache_heads == self.expected_heads
         return self.cache_dtype in (None, self.dtype, self.autocast) and heads_right
 

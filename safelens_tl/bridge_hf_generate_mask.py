@@ -29,9 +29,10 @@ MASK = "attention_mask"
 RETURNS_TOKENS = ("tokens",)
 
 
-def drops_the_attention_mask(hf_generate: Any) -> bool:
-    """Whether ``hf_generate``'s code never names an attention mask (TransformerLens 3.0-3.8)."""
-    code = getattr(hf_generate, "__code__", None)
+def drops_the_attention_mask(method: Any) -> bool:
+    """Whether ``method``'s code never names an attention mask: ``hf_generate`` on TransformerLens
+    3.0-3.8, ``generate`` on 3.0-3.7 (:mod:`safelens_tl.bridge_generate_batch`)."""
+    code = getattr(method, "__code__", None)
     if code is None:
         return False
     names = (*code.co_names, *code.co_varnames, *(c for c in code.co_consts if isinstance(c, str)))
