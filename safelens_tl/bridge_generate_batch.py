@@ -26,15 +26,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-#: ``return_type`` values under which a list of prompts comes back as a list of texts.
-RETURNS_TEXT = ("input", "str")
+from safelens_tl.generate_alone import RETURNS_TEXT, generate_each, prompts_of_different_lengths
+
 #: Options that ask ``generate`` for more than text; prompts generated one at a time could not
 #: return them as one batch.
 EXTRA_RETURNS = ("output_logits", "return_cache", "return_input_tokens")
-
-
-def _token_counts(tokenizer: Any, prompts: list[str]) -> set[int]:
-    return {len(tokenizer(prompt)["input_ids"]) for prompt in prompts}
 
 
 def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,17 +45,10 @@ def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., 
         except TypeError:
             return original(self, *args, **kwargs)  # the original's own error
         arguments = bound.arguments
-        prompts = arguments.get("input")
-        tokenizer = getattr(self, "tokenizer", None)
-        if (
-            not isinstance(prompts, list)
-            or len(prompts) < 2
-            or not all(isinstance(prompt, str) for prompt in prompts)
-            or tokenizer is None
-            or arguments.get("pixel_values") is not None
-            or arguments.get("multimodal_kwargs")
-            or len(_token_counts(tokenizer, prompts)) < 2
-        ):
+        if arguments.get("pixel_values") is not None or arguments.get("multimodal_kwargs"):
+            return original(self, *args, **kwargs)
+        prompts = prompts_of_different_lengths(arguments, getattr(self, "tokenizer", None))
+        if prompts is None:
             return original(self, *args, **kwargs)
         wants_more = any(arguments.get(name) for name in EXTRA_RETURNS)
         if arguments.get("return_type", "input") not in RETURNS_TEXT or wants_more:
@@ -73,10 +62,6 @@ def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., 
                 stacklevel=2,
             )
             return original(self, *args, **kwargs)
-        texts = []
-        for prompt in prompts:
-            arguments["input"] = prompt
-            texts.append(original(*bound.args, **bound.kwargs))
-        return texts
+        return generate_each(original, bound, prompts)
 
     return generate

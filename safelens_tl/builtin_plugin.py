@@ -5,7 +5,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from safelens_tl import generate_reserve, hooked_alibi, hooked_moe_dtype, kv_cache, targets
+from safelens_tl import (
+    generate_reserve,
+    hooked_alibi,
+    hooked_generate_batch,
+    hooked_moe_dtype,
+    kv_cache,
+    targets,
+)
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
 from safelens_tl.targets import Layout
@@ -27,8 +34,10 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
-    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length), and
-    the construction of ALiBi attention and mixture-of-experts layers, where the release has them.
+    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length; on
+    releases that mask no padding, a batch of prompts of different lengths generated one prompt at
+    a time), and the construction of ALiBi attention and mixture-of-experts layers, where the
+    release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [
@@ -52,7 +61,11 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     ):
         original = model.__dict__.get(name)
         if callable(original):
-            patches.append(Patch(model, name, wrap(original)))
+            replacement = wrap(original)
+            if name == "generate" and targets.hooked_generate_masks_no_padding(layout.release):
+                # Outermost: each prompt alone then gets its own reservation.
+                replacement = hooked_generate_batch.generating_each_prompt_alone(replacement)
+            patches.append(Patch(model, name, replacement))
     patches.extend(_layer_patches())
     return patches
 

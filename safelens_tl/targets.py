@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 from dataclasses import dataclass
 
 DISTRIBUTION = "transformer-lens"
@@ -363,6 +364,31 @@ def major_version(release: str) -> int | None:
     """Return the leading integer of a version string such as ``"3.0.0"`` or ``"2.18.0.dev1"``."""
     head = release.split(".", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+#: ``[first, end)`` of the releases whose ``HookedTransformer.generate`` builds its attention mask
+#: from a tensor of zeros rather than from the prompts' tokens, so no padding is masked at any step
+#: (upstream issue #1005; 3.1.0 builds it from the tokens and pads a list on the left). Read from
+#: the wheels of 2.11.0 (no such mask), 2.13.0-2.18.0 and 3.0.0 (it), 3.1.0-3.9.0 (the fix).
+HOOKED_GENERATE_MASKS_NO_PADDING = ((2, 13, 0), (3, 1, 0))
+
+
+def release_numbers(release: str) -> tuple[int, ...] | None:
+    """``(major, minor, patch)`` of a version such as ``"3.0.0"`` or ``"2.18.0.dev1"``; ``None``
+    when it does not start with three numbers."""
+    parts = release.split("+", 1)[0].split(".")[:3]
+    digits = ["".join(itertools.takewhile(str.isdigit, part)) for part in parts]
+    if len(digits) < 3 or not all(digits):
+        return None
+    return tuple(int(digit) for digit in digits)
+
+
+def hooked_generate_masks_no_padding(release: str | None) -> bool:
+    """Whether this release's ``HookedTransformer.generate`` attends to the padding of a batch
+    (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`); ``False`` for an unknown version."""
+    numbers = None if release is None else release_numbers(release)
+    first, end = HOOKED_GENERATE_MASKS_NO_PADDING
+    return numbers is not None and first <= numbers < end
 
 
 def known_layout_for(release: str) -> KnownLayout | None:

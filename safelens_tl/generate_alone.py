@@ -1,0 +1,48 @@
+"""Generating a batch of text prompts one prompt at a time, for ``generate`` methods that do not
+mask a batch's padding (:mod:`safelens_tl.hooked_generate_batch`,
+:mod:`safelens_tl.bridge_generate_batch`).
+
+A prompt alone has no padding, so it generates right however its release masks; the wrappers
+decide when a batch needs it and how to return the results.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+#: ``return_type`` values under which a list of prompts comes back as a list of texts.
+RETURNS_TEXT = ("input", "str")
+
+
+def prompts_of_different_lengths(arguments: dict[str, Any], tokenizer: Any) -> list[str] | None:
+    """The bound ``input`` when it is two or more strings whose token counts differ (a batch that
+    needs padding), else ``None``. Special tokens (BOS) add the same count to every prompt."""
+    prompts = arguments.get("input")
+    if (
+        tokenizer is None
+        or not isinstance(prompts, list)
+        or len(prompts) < 2
+        or not all(isinstance(prompt, str) for prompt in prompts)
+    ):
+        return None
+    counts = {len(tokenizer(prompt)["input_ids"]) for prompt in prompts}
+    return prompts if len(counts) > 1 else None
+
+
+def generate_each(
+    original: Callable[..., Any], bound: inspect.BoundArguments, prompts: list[str]
+) -> list[Any]:
+    """Call ``original`` once per prompt, every other argument as bound; return the results.
+
+    Under sampling each prompt draws from the random stream in turn.
+    """
+    results = []
+    try:
+        for prompt in prompts:
+            bound.arguments["input"] = prompt
+            results.append(original(*bound.args, **bound.kwargs))
+    finally:
+        bound.arguments["input"] = prompts
+    return results

@@ -1,0 +1,161 @@
+"""``HookedTransformer.generate`` on text prompts of different lengths gives each prompt what it
+gets alone, where TransformerLens's own masks no padding (2.13 to 3.0.0:
+:mod:`safelens_tl.hooked_generate_batch`). Real models and the real ``generate``; on releases that
+mask the padding (3.1 and later) the same assertions hold of the original method, which is what
+makes them the reference."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl import hooked_generate_batch, targets
+from safelens_tl.verify import checks
+from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer
+
+pytestmark = requires_hooked_transformer
+
+PROMPTS = list(checks.PROMPTS)  # 4 and 10 tokens with the BOS
+NEW = 6
+_models: dict[str, Any] = {}
+
+
+def _model(name: str) -> Any:
+    if name not in _models:
+        from safelens_tl.verify.models import build_model
+
+        _models[name] = build_model(name, torch.float32)
+    return _models[name]
+
+
+def _generate(model: Any, prompt: Any, **options: Any) -> Any:
+    settings = {"max_new_tokens": NEW, "do_sample": False, "verbose": False, **options}
+    return model.generate(prompt, **settings)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like-gqa"])
+def test_a_batch_of_texts_generates_what_each_prompt_generates_alone(
+    name: str, cached: bool, padding_side: str, patched: safelens_tl.activation.Status
+) -> None:
+    """Stock 2.13-3.0.0 gives the shorter prompt other text in the batch than alone, whichever
+    side it pads."""
+    model = _model(name)
+    options = {"use_past_kv_cache": cached, "padding_side": padding_side}
+    alone = [_generate(model, prompt, **options) for prompt in PROMPTS]
+    assert _generate(model, PROMPTS, **options) == alone
+
+
+@pytest.mark.parametrize("stops_early", [False, True], ids=["to-the-end", "one-row-at-eos"])
+def test_tokens_come_back_as_a_masked_batch_lays_them_out(
+    stops_early: bool, patched: safelens_tl.activation.Status
+) -> None:
+    """Prompts left-padded with the pad token, each generation after its prompt, a row that
+    stopped at EOS filled up with it: TransformerLens 3.1's layout, built here from each prompt
+    generated alone."""
+    model = _model("llama-like-gqa")
+    options: dict[str, Any] = {"return_type": "tokens", "use_past_kv_cache": True}
+    if stops_early:
+        # A token the short prompt generates at its third step ends that row there.
+        third = int(_generate(model, PROMPTS[0], **options)[0, -NEW + 2])
+        options["eos_token_id"] = third
+    alone = [_generate(model, prompt, **options)[0] for prompt in PROMPTS]
+    lengths = [int(model.to_tokens(prompt).shape[1]) for prompt in PROMPTS]
+    added = [len(row) - length for row, length in zip(alone, lengths, strict=True)]
+    if stops_early:
+        assert added[0] == 3 and added[1] == NEW, added  # the two rows end apart
+    pad = model.tokenizer.pad_token_id
+    fill = options.get("eos_token_id", 0)
+    expected = torch.stack(
+        [
+            torch.cat(
+                (
+                    torch.full((max(lengths) - length,), pad),
+                    row,
+                    torch.full((max(added) - new,), fill),
+                )
+            )
+            for row, length, new in zip(alone, lengths, added, strict=True)
+        ]
+    )
+    batch = _generate(model, PROMPTS, **options)
+    assert batch.tolist() == expected.tolist()
+
+
+def test_embeddings_of_such_a_batch_come_with_a_warning(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """What prompts generated one at a time cannot give back as one batch is the original's,
+    with a warning where its shorter rows are wrong; none where they are right."""
+    model = _model("gpt2-like")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        embeds = _generate(model, PROMPTS, return_type="embeds", use_past_kv_cache=True)
+    assert embeds.shape[0] == len(PROMPTS)
+    warned = [w for w in caught if "masks no padding" in str(w.message)]
+    assert len(warned) == int(targets.hooked_generate_masks_no_padding(RELEASE))
+    if warned:
+        assert "one at a time" in str(warned[0].message)
+
+
+def test_one_prompt_and_prompts_of_one_length_go_to_the_original_as_they_are(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """Nothing to mask: one batched call, whose rows match the prompts alone."""
+    model = _model("gpt2-like")
+    same_length = ["the cat runs", "the dog runs"]
+    assert len({int(model.to_tokens(p).shape[1]) for p in same_length}) == 1
+    options = {"return_type": "tokens", "use_past_kv_cache": True, "stop_at_eos": False}
+    batch = _generate(model, same_length, **options)
+    assert batch.shape == (2, 4 + NEW)
+    for row, prompt in zip(batch, same_length, strict=True):
+        alone = _generate(model, prompt, **options)
+        assert row.tolist() == alone[0].tolist()
+
+
+def _builds_the_mask_from_zeros() -> bool:
+    """Whether the installed ``generate`` builds its step mask from a tensor of zeros (what
+    :data:`safelens_tl.targets.HOOKED_GENERATE_MASKS_NO_PADDING` says by release)."""
+    model_class = LAYOUT.model_class()
+    assert model_class is not None
+    source = inspect.getsource(inspect.unwrap(model_class.__dict__["generate"]))
+    return "torch.zeros((embeds.size(0), embeds.size(1)))" in source
+
+
+def test_the_wrapper_is_installed_exactly_where_generate_masks_no_padding(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """The release range in ``targets`` agrees with the installed code, and the wrapper is there
+    exactly on those releases."""
+    masks_nothing = targets.hooked_generate_masks_no_padding(RELEASE)
+    assert masks_nothing == _builds_the_mask_from_zeros()
+    model_class = LAYOUT.model_class()
+    assert model_class is not None
+    generate = model_class.__dict__["generate"]
+    wrapped_here = generate.__code__.co_filename == hooked_generate_batch.__file__
+    assert wrapped_here == masks_nothing
+
+
+@pytest.mark.parametrize(
+    ("release", "masks_nothing"),
+    [
+        ("2.11.0", False),
+        ("2.13.0", True),
+        ("2.18.0", True),
+        ("3.0.0", True),
+        ("3.0.1rc1", True),
+        ("3.1.0", False),
+        ("3.9.0", False),
+        ("4.3.0", False),
+        ("3.0", False),
+        ("main", False),
+    ],
+)
+def test_the_releases_that_mask_no_padding(release: str, masks_nothing: bool) -> None:
+    assert targets.hooked_generate_masks_no_padding(release) == masks_nothing
