@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl.generate_alone import RETURNS_TEXT, generate_each, prompts_of_different_lengths
+from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split, generate_each
 
 #: Options that ask ``generate`` for more than text; prompts generated one at a time could not
 #: return them as one batch.
@@ -40,15 +40,12 @@ def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., 
 
     @functools.wraps(original)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            return original(self, *args, **kwargs)  # the original's own error
+        split = batch_to_split(signature, self, args, kwargs)
+        if split is None:
+            return original(self, *args, **kwargs)
+        bound, prompts = split
         arguments = bound.arguments
         if arguments.get("pixel_values") is not None or arguments.get("multimodal_kwargs"):
-            return original(self, *args, **kwargs)
-        prompts = prompts_of_different_lengths(arguments, getattr(self, "tokenizer", None))
-        if prompts is None:
             return original(self, *args, **kwargs)
         wants_more = any(arguments.get(name) for name in EXTRA_RETURNS)
         if arguments.get("return_type", "input") not in RETURNS_TEXT or wants_more:

@@ -64,7 +64,9 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
             replacement = wrap(original)
             if name == "generate" and targets.hooked_generate_masks_no_padding(layout.release):
                 # Outermost: each prompt alone then gets its own reservation.
-                replacement = hooked_generate_batch.generating_each_prompt_alone(replacement)
+                replacement = hooked_generate_batch.generating_each_prompt_alone(
+                    replacement, original
+                )
             patches.append(Patch(model, name, replacement))
     patches.extend(_layer_patches())
     return patches

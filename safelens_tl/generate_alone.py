@@ -16,6 +16,20 @@ from typing import Any
 RETURNS_TEXT = ("input", "str")
 
 
+def batch_to_split(
+    signature: inspect.Signature, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[inspect.BoundArguments, list[str]] | None:
+    """``generate``'s arguments bound (``model`` as ``self``) and its prompts, when the call asks
+    for two or more text prompts of different lengths; ``None`` for any other call, arguments the
+    signature refuses included (the original then raises its own error)."""
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+        return None
+    prompts = prompts_of_different_lengths(bound.arguments, getattr(model, "tokenizer", None))
+    return None if prompts is None else (bound, prompts)
+
+
 def prompts_of_different_lengths(arguments: dict[str, Any], tokenizer: Any) -> list[str] | None:
     """The bound ``input`` when it is two or more strings whose token counts differ (a batch that
     needs padding), else ``None``. Special tokens (BOS) add the same count to every prompt."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from safelens_tl.generate_alone import RETURNS_TEXT, generate_each, prompts_of_different_lengths
+from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split, generate_each
 
 UNMASKED_BATCH_WARNING = (
     "this TransformerLens release's HookedTransformer.generate masks no padding: in a batch of "
@@ -84,27 +84,31 @@ def _tokens_as_a_batch(
     return torch.stack(rows)
 
 
-def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., Any]:
+def generating_each_prompt_alone(
+    generate_with: Callable[..., Any], original: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` of a release that masks no padding: a batch of text
-    prompts of different lengths generates right (see the module docstring)."""
-    signature = inspect.signature(original)
+    prompts of different lengths generates right (see the module docstring).
 
-    @functools.wraps(original)
+    ``generate_with`` generates (``generate`` or a wrapper of it); the result presents itself as
+    ``original`` (by default ``generate_with``), so that a patch always wraps the original itself.
+    """
+    presented = generate_with if original is None else original
+    signature = inspect.signature(presented)
+
+    @functools.wraps(presented)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            return original(self, *args, **kwargs)  # the original's own error
+        split = batch_to_split(signature, self, args, kwargs)
+        if split is None:
+            return generate_with(self, *args, **kwargs)
+        bound, prompts = split
         arguments = bound.arguments
-        prompts = prompts_of_different_lengths(arguments, getattr(self, "tokenizer", None))
-        if prompts is None:
-            return original(self, *args, **kwargs)
         return_type = arguments.get("return_type", "input")
         extra = arguments.get("generation_kwargs") or {}  # TransformerLens 3.0's HF-style options
         if return_type not in (*RETURNS_TEXT, "tokens") or extra.get("output_logits"):
             warnings.warn(UNMASKED_BATCH_WARNING, UserWarning, stacklevel=2)
-            return original(self, *args, **kwargs)
-        outputs = generate_each(original, bound, prompts)
+            return generate_with(self, *args, **kwargs)
+        outputs = generate_each(generate_with, bound, prompts)
         if return_type in RETURNS_TEXT:
             return outputs
         return _tokens_as_a_batch(self, prompts, outputs, arguments)
