@@ -9,7 +9,7 @@ decide when a batch needs it and how to return the results.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: ``return_type`` values under which a list of prompts comes back as a list of texts.
@@ -46,17 +46,19 @@ def prompts_of_different_lengths(arguments: dict[str, Any], tokenizer: Any) -> l
 
 
 def generate_each(
-    original: Callable[..., Any], bound: inspect.BoundArguments, prompts: list[str]
+    original: Callable[..., Any], bound: inspect.BoundArguments, inputs: Sequence[Any]
 ) -> list[Any]:
-    """Call ``original`` once per prompt, every other argument as bound; return the results.
+    """Call ``original`` once per input (a prompt, or a list of prompts of one length), every
+    other argument as bound; return the results.
 
-    Under sampling each prompt draws from the random stream in turn.
+    Under sampling each call draws from the random stream in turn.
     """
+    given = bound.arguments["input"]
     results = []
     try:
-        for prompt in prompts:
+        for prompt in inputs:
             bound.arguments["input"] = prompt
             results.append(original(*bound.args, **bound.kwargs))
     finally:
-        bound.arguments["input"] = prompts
+        bound.arguments["input"] = given
     return results

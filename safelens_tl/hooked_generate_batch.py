@@ -9,16 +9,16 @@ sweep's tiny Llama on 3.0: ``[13, 10, 52, 15, 52, 51]`` for the short prompt in 
 batch, ``[47, 8, 17, 14, 51, 27]`` alone). TransformerLens 3.1 masks the padding and pads a list
 on the left (upstream issue #1005).
 
-There, a call with two or more string prompts whose token counts differ generates each prompt on
-its own (a prompt alone has no padding) and returns what TransformerLens 3.1 returns for the
-batch: with ``return_type`` ``"str"`` (or ``"input"``) the list of texts; with ``"tokens"`` one
-tensor, each prompt left-padded with the tokenizer's pad token to the longest, followed by its
-generated tokens, a row that stopped at EOS filled up with the EOS padding token to the longest
-generation. Under sampling each prompt draws from the random stream in turn, so the samples are
-not the batch's (whose shorter rows were wrong anyway). ``return_type="embeds"`` and
-``output_logits`` go to the original with a ``UserWarning`` saying why its shorter rows are wrong
-and what to do; prompts of one length, a single prompt and token tensors are the original's,
-unchanged.
+There, a call with two or more string prompts whose token counts differ generates the prompts of
+each token count as one batch of their own (which needs no padding; a prompt alone when its count
+is its own), and returns what TransformerLens 3.1 returns for the whole batch: with
+``return_type`` ``"str"`` (or ``"input"``) the list of texts; with ``"tokens"`` one tensor, each
+prompt left-padded with the tokenizer's pad token to the longest, followed by its generated
+tokens, a row that stopped at EOS filled up with the EOS padding token to the longest generation.
+Under sampling each group draws from the random stream in turn, so the samples are not the
+batch's (whose shorter rows were wrong anyway). ``return_type="embeds"`` and ``output_logits``
+go to the original with a ``UserWarning`` saying why its shorter rows are wrong and what to do;
+prompts of one length, a single prompt and token tensors are the original's, unchanged.
 """
 
 from __future__ import annotations
@@ -53,34 +53,54 @@ def _eos_padding(arguments: dict[str, Any], tokenizer: Any) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else int(eos[0])
 
 
-def _tokens_as_a_batch(
-    model: Any,
-    prompts: Sequence[str],
-    outputs: Sequence[torch.Tensor],
-    arguments: dict[str, Any],
-) -> torch.Tensor:
-    """One ``[batch, prompt + new]`` tensor from prompts generated alone, laid out as a masked
-    batch is: prompts left-padded to the longest, generations filled up to the longest."""
+def _groups_of_one_length(
+    model: Any, prompts: Sequence[str], arguments: dict[str, Any]
+) -> dict[int, list[int]]:
+    """Indices of the prompts by token count (as ``generate`` tokenizes them), in order of first
+    appearance: each group is a batch that needs no padding."""
     tokenize = {
         name: arguments[name] for name in ("prepend_bos", "padding_side") if name in arguments
     }
-    lengths = [int(model.to_tokens(prompt, **tokenize).shape[1]) for prompt in prompts]
-    added = [int(output.shape[1]) - length for output, length in zip(outputs, lengths, strict=True)]
-    longest_prompt, longest_generation = max(lengths), max(added)
+    groups: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        length = int(model.to_tokens(prompt, **tokenize).shape[1])
+        groups.setdefault(length, []).append(index)
+    return groups
+
+
+def _texts(outputs: Sequence[Any], groups: dict[int, list[int]], count: int) -> list[str]:
+    """The texts of every group's call, back in the prompts' order."""
+    texts: list[str] = [""] * count
+    for output, indices in zip(outputs, groups.values(), strict=True):
+        # A call with a single prompt returns a string, one with several a list.
+        for index, text in zip(
+            indices, [output] if isinstance(output, str) else output, strict=True
+        ):
+            texts[index] = text
+    return texts
+
+
+def _tokens_as_a_batch(
+    model: Any,
+    outputs: Sequence[torch.Tensor],
+    groups: dict[int, list[int]],
+    arguments: dict[str, Any],
+) -> torch.Tensor:
+    """One ``[batch, prompt + new]`` tensor from the groups' calls, laid out as a masked batch
+    is: prompts left-padded to the longest, generations filled up to the longest."""
+    longest_prompt = max(groups)
+    longest_generation = max(
+        int(output.shape[1]) - length for output, length in zip(outputs, groups, strict=True)
+    )
     pad = model.tokenizer.pad_token_id
     eos = _eos_padding(arguments, model.tokenizer)
-    rows = []
-    for output, length, new in zip(outputs, lengths, added, strict=True):
-        row = output[0]
-        rows.append(
-            torch.cat(
-                (
-                    row.new_full((longest_prompt - length,), pad),
-                    row,
-                    row.new_full((longest_generation - new,), eos),
-                )
-            )
-        )
+    rows: list[torch.Tensor] = [outputs[0][0]] * sum(len(indices) for indices in groups.values())
+    for output, (length, indices) in zip(outputs, groups.items(), strict=True):
+        new = int(output.shape[1]) - length
+        left = output.new_full((len(indices), longest_prompt - length), pad)
+        right = output.new_full((len(indices), longest_generation - new), eos)
+        for index, row in zip(indices, torch.cat((left, output, right), dim=1), strict=True):
+            rows[index] = row
     return torch.stack(rows)
 
 
@@ -88,7 +108,8 @@ def generating_each_prompt_alone(
     generate_with: Callable[..., Any], original: Callable[..., Any] | None = None
 ) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` of a release that masks no padding: a batch of text
-    prompts of different lengths generates right (see the module docstring).
+    prompts of different lengths generates right, one call per token count (see the module
+    docstring).
 
     ``generate_with`` generates (``generate`` or a wrapper of it); the result presents itself as
     ``original`` (by default ``generate_with``), so that a patch always wraps the original itself.
@@ -108,9 +129,14 @@ def generating_each_prompt_alone(
         if return_type not in (*RETURNS_TEXT, "tokens") or extra.get("output_logits"):
             warnings.warn(UNMASKED_BATCH_WARNING, UserWarning, stacklevel=2)
             return generate_with(self, *args, **kwargs)
-        outputs = generate_each(generate_with, bound, prompts)
+        groups = _groups_of_one_length(self, prompts, arguments)
+        inputs = [
+            [prompts[i] for i in indices] if len(indices) > 1 else prompts[indices[0]]
+            for indices in groups.values()
+        ]
+        outputs = generate_each(generate_with, bound, inputs)
         if return_type in RETURNS_TEXT:
-            return outputs
-        return _tokens_as_a_batch(self, prompts, outputs, arguments)
+            return _texts(outputs, groups, len(prompts))
+        return _tokens_as_a_batch(self, outputs, groups, arguments)
 
     return generate

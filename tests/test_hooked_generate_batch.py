@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_generate_batch, targets
+from safelens_tl import hooked_generate_batch, kv_cache, targets
 from safelens_tl.verify import checks
 from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer
 
@@ -86,6 +86,31 @@ def test_tokens_come_back_as_a_masked_batch_lays_them_out(
     )
     batch = _generate(model, PROMPTS, **options)
     assert batch.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("return_type", ["str", "tokens"])
+def test_prompts_of_one_length_are_generated_as_one_batch(
+    return_type: str, patched: safelens_tl.activation.Status, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts, two of one length: two cached generations (one cache each) where stock
+    masks no padding, each row what its prompt gives alone, in the prompts' order."""
+    model = _model("llama-like-gqa")
+    prompts = [PROMPTS[0], PROMPTS[1], "the dog runs"]
+    options = {"return_type": return_type, "use_past_kv_cache": True, "stop_at_eos": False}
+    caches: list[Any] = []
+    label = kv_cache.label_layers
+    monkeypatch.setattr(
+        kv_cache, "label_layers", lambda cache: (caches.append(cache), label(cache))
+    )
+    batch = _generate(model, prompts, **options)
+    assert len(caches) == (2 if targets.hooked_generate_masks_no_padding(RELEASE) else 1)
+    alone = [_generate(model, prompt, **options) for prompt in prompts]
+    if return_type == "str":
+        assert batch == alone
+        return
+    longest = max(row.shape[1] for row in alone)
+    for row, single in zip(batch, alone, strict=True):
+        assert row[longest - single.shape[1] :].tolist() == single[0].tolist()
 
 
 def test_embeddings_of_such_a_batch_come_with_a_warning(
