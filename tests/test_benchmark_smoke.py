@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import safelens_tl
+from safelens_tl import targets
 from safelens_tl.verify import bridge, checks
 from tests.conftest import (
     BENCHMARKS,
     HAS_BRIDGE,
     HAS_HOOKED_TRANSFORMER,
+    RELEASE,
     architecture_folder,
     benchmark_module,
     requires_hooked_transformer,
@@ -371,6 +373,21 @@ def test_hooked_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
             assert patched["passed"], (architecture, dtype, patched)
             assert patched["cache_dtype"] == dtype
     assert results["LlamaForCausalLM"]["float32"]["stock"]["passed"]
+
+
+def test_hooked_batch_lengths_prints_its_table() -> None:
+    """One row per number of distinct lengths; with safelens-tl every row is right, in stock
+    only where the release masks the padding (or nothing is padded); on 4.x nothing to run."""
+    done = run_script("hooked_batch_lengths.py", "--rounds", "1", "--distinct", "1,2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not HAS_HOOKED_TRANSFORMER:
+        assert "has no HookedTransformer" in done.stdout
+        return
+    rows = [line.split("│") for line in done.stdout.splitlines() if line.startswith("│")]
+    assert [row[1].strip() for row in rows] == ["1", "2"]
+    assert all("patched 8/8" in row[5] for row in rows)
+    masks_nothing = targets.hooked_generate_masks_no_padding(RELEASE)
+    assert ("stock 8/8" in rows[1][5]) != masks_nothing
 
 
 @pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="TransformerLens 4.x only")
