@@ -35,8 +35,8 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
     ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length; on
-    releases that mask no padding, a batch of prompts of different lengths generated one prompt at
-    a time), and the construction of ALiBi attention and mixture-of-experts layers, where the
+    releases that mask no padding, a batch of prompts of different lengths generated one call per
+    length), and the construction of ALiBi attention and mixture-of-experts layers, where the
     release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
@@ -63,8 +63,8 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         if callable(original):
             replacement = wrap(original)
             if name == "generate" and targets.hooked_generate_masks_no_padding(layout.release):
-                # Outermost: each prompt alone then gets its own reservation.
-                replacement = hooked_generate_batch.generating_each_prompt_alone(
+                # Outermost: each call per length then gets its own reservation.
+                replacement = hooked_generate_batch.generating_each_length_apart(
                     replacement, original
                 )
             patches.append(Patch(model, name, replacement))

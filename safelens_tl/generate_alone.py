@@ -1,9 +1,9 @@
-"""Generating a batch of text prompts one prompt at a time, for ``generate`` methods that do not
-mask a batch's padding (:mod:`safelens_tl.hooked_generate_batch`,
-:mod:`safelens_tl.bridge_generate_batch`).
+"""Generating a batch of text prompts of different lengths in parts that need no padding, for
+``generate`` methods that do not mask a batch's padding (:mod:`safelens_tl.hooked_generate_batch`:
+one call per token count; :mod:`safelens_tl.bridge_generate_batch`: one call per prompt).
 
-A prompt alone has no padding, so it generates right however its release masks; the wrappers
-decide when a batch needs it and how to return the results.
+Prompts of one token count need no padding, so they generate right however their release masks;
+the wrappers decide when a batch needs it and how to return the results.
 """
 
 from __future__ import annotations

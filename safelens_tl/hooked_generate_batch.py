@@ -104,7 +104,7 @@ def _tokens_as_a_batch(
     return torch.stack(rows)
 
 
-def generating_each_prompt_alone(
+def generating_each_length_apart(
     generate_with: Callable[..., Any], original: Callable[..., Any] | None = None
 ) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` of a release that masks no padding: a batch of text
