@@ -21,7 +21,15 @@ def batch_to_split(
 ) -> tuple[inspect.BoundArguments, list[str]] | None:
     """``generate``'s arguments bound (``model`` as ``self``) and its prompts, when the call asks
     for two or more text prompts of different lengths; ``None`` for any other call, arguments the
-    signature refuses included (the original then raises its own error)."""
+    signature refuses included (the original then raises its own error).
+
+    ``input`` is ``generate``'s first parameter in every release; a call whose prompt there is no
+    list (one prompt, a tensor: nearly every call) is answered before binding, which costs about
+    ten microseconds, a visible share of a short generation on a small model.
+    """
+    given = kwargs["input"] if "input" in kwargs else (args[0] if args else None)
+    if not isinstance(given, list):
+        return None
     try:
         bound = signature.bind(model, *args, **kwargs)
     except TypeError:

@@ -85,3 +85,5 @@ def test_the_wrapper_is_installed_exactly_where_generate_uses_no_mask(
         files.append(layer.__code__.co_filename)
     ours = bridge_generate_batch.__file__
     assert (ours in files) == _maskless_release(), files
+    # generate_alone.batch_to_split looks for the prompts there before binding the arguments.
+    assert list(inspect.signature(layer).parameters)[:2] == ["self", "input"]

@@ -165,6 +165,8 @@ def test_the_wrapper_is_installed_exactly_where_generate_masks_no_padding(
     generate = model_class.__dict__["generate"]
     wrapped_here = generate.__code__.co_filename == hooked_generate_batch.__file__
     assert wrapped_here == masks_nothing
+    # generate_alone.batch_to_split looks for the prompts there before binding the arguments.
+    assert list(inspect.signature(generate).parameters)[:2] == ["self", "input"]
 
 
 @pytest.mark.parametrize(
