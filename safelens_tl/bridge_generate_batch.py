@@ -10,12 +10,13 @@ TransformerLens 3.8 builds the mask and pads on the left.
 
 Where ``generate``'s code never names an attention mask, a call with two or more string prompts
 whose token counts differ, asking for text back (``return_type`` ``"input"`` or ``"str"``, nothing
-else returned), generates each prompt on its own and returns the list of texts: what the same
-prompts give one at a time, as on 3.8. Under sampling each prompt draws from the random stream
-in turn, so the samples are not the batch's (whose shorter rows were wrong anyway). Any other call
-on such prompts (tokens, logits or activations back) goes to the original with a
-``UserWarning`` saying why its shorter rows are wrong and what to do; prompts of one length, a
-single prompt, tensors and media are the original's, unchanged.
+else returned), generates the prompts of each token count as one batch of their own (which needs
+no padding; a prompt alone when its count is its own) and returns the list of texts in the
+prompts' order: what the same prompts give one at a time, as on 3.8. Under sampling each group
+draws from the random stream in turn, so the samples are not the batch's (whose shorter rows
+were wrong anyway). Any other call on such prompts (tokens, logits or activations back) goes to
+the original with a ``UserWarning`` saying why its shorter rows are wrong and what to do; prompts
+of one length, a single prompt, tensors and media are the original's, unchanged.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split, generate_each
+from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split
 
-#: Options that ask ``generate`` for more than text; prompts generated one at a time could not
-#: return them as one batch.
+#: Options that ask ``generate`` for more than text; prompts generated in groups could not return
+#: them as one batch.
 EXTRA_RETURNS = ("output_logits", "return_cache", "return_input_tokens")
 
 
-def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., Any]:
+def generating_each_length_apart(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``TransformerBridge.generate`` (a release whose code uses no attention mask): a batch
     of text prompts of different lengths generates right (see the module docstring)."""
     signature = inspect.signature(original)
@@ -43,8 +44,7 @@ def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., 
         split = batch_to_split(signature, self, args, kwargs)
         if split is None:
             return original(self, *args, **kwargs)
-        bound, prompts = split
-        arguments = bound.arguments
+        arguments = split.arguments
         if arguments.get("pixel_values") is not None or arguments.get("multimodal_kwargs"):
             return original(self, *args, **kwargs)
         wants_more = any(arguments.get(name) for name in EXTRA_RETURNS)
@@ -59,6 +59,6 @@ def generating_each_prompt_alone(original: Callable[..., Any]) -> Callable[..., 
                 stacklevel=2,
             )
             return original(self, *args, **kwargs)
-        return generate_each(original, bound, prompts)
+        return split.texts(split.generate(original))
 
     return generate

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split, generate_each
+from safelens_tl.generate_alone import RETURNS_TEXT, batch_to_split
 
 UNMASKED_BATCH_WARNING = (
     "this TransformerLens release's HookedTransformer.generate masks no padding: in a batch of "
@@ -53,31 +53,12 @@ def _eos_padding(arguments: dict[str, Any], tokenizer: Any) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else int(eos[0])
 
 
-def _groups_of_one_length(
-    model: Any, prompts: Sequence[str], arguments: dict[str, Any]
-) -> dict[int, list[int]]:
-    """Indices of the prompts by token count (as ``generate`` tokenizes them), in order of first
-    appearance: each group is a batch that needs no padding."""
+def _count_as_generate_tokenizes(model: Any, prompt: str, arguments: dict[str, Any]) -> int:
+    """The prompt's token count as ``generate`` tokenizes it (its BOS and padding options)."""
     tokenize = {
         name: arguments[name] for name in ("prepend_bos", "padding_side") if name in arguments
     }
-    groups: dict[int, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        length = int(model.to_tokens(prompt, **tokenize).shape[1])
-        groups.setdefault(length, []).append(index)
-    return groups
-
-
-def _texts(outputs: Sequence[Any], groups: dict[int, list[int]], count: int) -> list[str]:
-    """The texts of every group's call, back in the prompts' order."""
-    texts: list[str] = [""] * count
-    for output, indices in zip(outputs, groups.values(), strict=True):
-        # A call with a single prompt returns a string, one with several a list.
-        for index, text in zip(
-            indices, [output] if isinstance(output, str) else output, strict=True
-        ):
-            texts[index] = text
-    return texts
+    return int(model.to_tokens(prompt, **tokenize).shape[1])
 
 
 def _tokens_as_a_batch(
@@ -119,24 +100,18 @@ def generating_each_length_apart(
 
     @functools.wraps(presented)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        split = batch_to_split(signature, self, args, kwargs)
+        split = batch_to_split(signature, self, args, kwargs, _count_as_generate_tokenizes)
         if split is None:
             return generate_with(self, *args, **kwargs)
-        bound, prompts = split
-        arguments = bound.arguments
+        arguments = split.arguments
         return_type = arguments.get("return_type", "input")
         extra = arguments.get("generation_kwargs") or {}  # TransformerLens 3.0's HF-style options
         if return_type not in (*RETURNS_TEXT, "tokens") or extra.get("output_logits"):
             warnings.warn(UNMASKED_BATCH_WARNING, UserWarning, stacklevel=2)
             return generate_with(self, *args, **kwargs)
-        groups = _groups_of_one_length(self, prompts, arguments)
-        inputs = [
-            [prompts[i] for i in indices] if len(indices) > 1 else prompts[indices[0]]
-            for indices in groups.values()
-        ]
-        outputs = generate_each(generate_with, bound, inputs)
+        outputs = split.generate(generate_with)
         if return_type in RETURNS_TEXT:
-            return _texts(outputs, groups, len(prompts))
-        return _tokens_as_a_batch(self, outputs, groups, arguments)
+            return split.texts(outputs)
+        return _tokens_as_a_batch(self, outputs, split.groups, arguments)
 
     return generate

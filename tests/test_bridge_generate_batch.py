@@ -55,6 +55,30 @@ def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(
     assert stock_batch[0] != stock_alone[0] and stock_batch[1] == stock_alone[1], stock_batch
 
 
+def test_prompts_of_one_length_are_generated_as_one_batch(
+    patched: safelens_tl.activation.Status, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts, two of one token count: two calls of TransformerLens's ``generate`` where
+    it uses no mask (counted by its tokenizations of the input), one elsewhere; every text is
+    what its prompt gives alone, in the prompts' order."""
+    model = _boot()
+    prompts = [PROMPTS[0], PROMPTS[1], "the dog runs"]
+    counts = [len(model.tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    assert counts[0] == counts[2] != counts[1], counts
+    alone = [model.generate(prompt, **GREEDY) for prompt in prompts]
+    calls: list[Any] = []
+    to_tokens = model.to_tokens
+    monkeypatch.setattr(
+        model, "to_tokens", lambda *a, **k: (calls.append(a[:1]), to_tokens(*a, **k))[1]
+    )
+    model.generate(prompts[0], **GREEDY)
+    per_generate = len(calls)
+    assert per_generate >= 1
+    calls.clear()
+    assert model.generate(prompts, **GREEDY) == alone
+    assert len(calls) == per_generate * (2 if _maskless_release() else 1), calls
+
+
 def test_tokens_of_prompts_of_different_lengths_come_with_a_warning(
     patched: safelens_tl.activation.Status,
 ) -> None:
