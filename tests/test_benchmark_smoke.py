@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -375,19 +376,40 @@ def test_hooked_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
     assert results["LlamaForCausalLM"]["float32"]["stock"]["passed"]
 
 
-def test_hooked_batch_lengths_prints_its_table() -> None:
-    """One row per number of distinct lengths; with safelens-tl every row is right, in stock
-    only where the release masks the padding (or nothing is padded); on 4.x nothing to run."""
-    done = run_script("hooked_batch_lengths.py", "--rounds", "1", "--distinct", "1,2")
+def _batch_lengths_rows(*options: str) -> list[list[str]] | None:
+    """The table rows of ``benchmarks/batch_lengths.py`` at 1 and 2 distinct lengths; ``None``
+    where the API is absent (which the script must say)."""
+    done = run_script("batch_lengths.py", "--rounds", "1", "--distinct", "1,2", *options)
     assert done.returncode == 0, done.stderr[-3000:]
-    if not HAS_HOOKED_TRANSFORMER:
-        assert "has no HookedTransformer" in done.stdout
-        return
+    if "nothing to run" in done.stdout:
+        return None
     rows = [line.split("│") for line in done.stdout.splitlines() if line.startswith("│")]
     assert [row[1].strip() for row in rows] == ["1", "2"]
     assert all("patched 8/8" in row[5] for row in rows)
-    masks_nothing = targets.hooked_generate_masks_no_padding(RELEASE)
-    assert ("stock 8/8" in rows[1][5]) != masks_nothing
+    return rows
+
+
+def test_batch_lengths_prints_its_table_for_hooked_transformer() -> None:
+    """One row per number of distinct lengths; with safelens-tl every row is right, in stock
+    only where the release masks the padding (or nothing is padded); on 4.x nothing to run."""
+    rows = _batch_lengths_rows("--api", "hooked")
+    assert (rows is None) == (not HAS_HOOKED_TRANSFORMER)
+    if rows is not None:
+        masks_nothing = targets.hooked_generate_masks_no_padding(RELEASE)
+        assert ("stock 8/8" in rows[1][5]) != masks_nothing
+
+
+def test_batch_lengths_prints_its_table_for_transformer_bridge() -> None:
+    """The same through ``TransformerBridge``: stock's shorter rows are wrong exactly where its
+    ``generate`` uses no attention mask (3.0 to 3.7); nothing to run before 3.0."""
+    rows = _batch_lengths_rows("--api", "bridge")
+    assert (rows is None) == (not HAS_BRIDGE)
+    if rows is not None:
+        from safelens_tl import bridge_hf_generate_mask
+
+        generate = targets.locate_bridge().bridge_class.__dict__["generate"]
+        maskless = bridge_hf_generate_mask.drops_the_attention_mask(inspect.unwrap(generate))
+        assert ("stock 8/8" in rows[1][5]) != maskless
 
 
 @pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="TransformerLens 4.x only")
