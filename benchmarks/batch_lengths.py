@@ -71,36 +71,33 @@ OPTIONS = {
 
 def median_seconds(model: Any, prompts: list[str], rounds: int) -> tuple[float, list[str]]:
     """Median seconds of one ``generate`` of ``prompts`` (after one untimed call), and its texts."""
-    options = OPTIONS
-    texts = model.generate(prompts, **options)
+    texts = model.generate(prompts, **OPTIONS)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        model.generate(prompts, **options)
+        model.generate(prompts, **OPTIONS)
         times.append(time.perf_counter() - start)
     return statistics.median(times), texts
 
 
-def _hooked_model(active: bool) -> Any:
-    """The verifier's tiny Llama-like ``HookedTransformer`` (one model serves both variants)."""
+def _hooked_models() -> dict[bool, Any]:
+    """The verifier's tiny Llama-like ``HookedTransformer``, one model for both variants."""
     from safelens_tl.verify.models import build_model
 
-    if "hooked" not in _models:
-        _models["hooked"] = build_model("llama-like-gqa", torch.float32)
-    return _models["hooked"]
+    model = build_model("llama-like-gqa", torch.float32)
+    return {False: model, True: model}
 
 
-def _bridge_model(active: bool) -> Any:
-    """The sweep's tiny Llama through ``TransformerBridge``, booted under the variant it runs."""
+def _bridge_models(folder: str) -> dict[bool, Any]:
+    """The sweep's tiny Llama in ``folder`` through ``TransformerBridge``, booted under each
+    variant."""
     import bridge_architectures
 
-    if "folder" not in _models:
-        _models["folder"] = bridge_architectures.build("LlamaForCausalLM")
-    with patched(active):
-        return bridge_architectures.boot(_models["folder"])
-
-
-_models: dict[str, Any] = {}
+    models = {}
+    for active in (False, True):
+        with patched(active):
+            models[active] = bridge_architectures.boot(folder)
+    return models
 
 
 def _masks_nothing(api: str, layout: targets.Layout) -> bool:
@@ -135,8 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     warnings.simplefilter("ignore")  # TransformerLens's advice while building
     torch.set_num_threads(1)
-    model_for = _hooked_model if api == "hooked" else _bridge_model
-    models = {active: model_for(active) for active in (False, True)}
+    if api == "hooked":
+        models = _hooked_models()
+    else:
+        import bridge_architectures
+
+        folder = bridge_architectures.build("LlamaForCausalLM")
+        try:
+            models = _bridge_models(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # booted models keep their weights
     masks_nothing = _masks_nothing(api, layout)
     name = "HookedTransformer" if api == "hooked" else "TransformerBridge"
     table = Table(
@@ -163,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
             f"stock {right[False]}/{PROMPTS}, patched {right[True]}/{PROMPTS}",
         )
     console.print(table)
-    if "folder" in _models:
-        shutil.rmtree(_models["folder"], ignore_errors=True)
     return 0
 
 
