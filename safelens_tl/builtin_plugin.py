@@ -9,6 +9,7 @@ from safelens_tl import (
     generate_reserve,
     hooked_alibi,
     hooked_generate_batch,
+    hooked_generate_positions,
     hooked_moe_dtype,
     kv_cache,
     targets,
@@ -36,8 +37,8 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
     ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length; on
     releases that mask no padding, a batch of prompts of different lengths generated one call per
-    length), and the construction of ALiBi attention and mixture-of-experts layers, where the
-    release has them.
+    length, and learned positions kept where the pad token id is 0), and the construction of ALiBi
+    attention and mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [
@@ -63,11 +64,21 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         if callable(original):
             replacement = wrap(original)
             if name == "generate" and targets.hooked_generate_masks_no_padding(layout.release):
+                replacement = hooked_generate_positions.marking_generate(replacement)
                 # Outermost: each call per length then gets its own reservation.
                 replacement = hooked_generate_batch.generating_each_length_apart(
                     replacement, original
                 )
             patches.append(Patch(model, name, replacement))
+    get_residual = model.__dict__.get("get_residual")
+    if callable(get_residual) and targets.hooked_generate_masks_no_padding(layout.release):
+        patches.append(
+            Patch(
+                model,
+                "get_residual",
+                hooked_generate_positions.unpadded_placeholder_mask(get_residual),
+            )
+        )
     patches.extend(_layer_patches())
     return patches
 

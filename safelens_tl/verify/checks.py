@@ -244,3 +244,42 @@ def greedy_agreement(model: Any, max_new_tokens: int = 8) -> tuple[float, torch.
     """Generate greedily with and without the cache; return the share of equal new tokens."""
     timed = timed_generation(model, max_new_tokens)
     return timed.agreement, timed.cached_tokens
+
+
+@dataclass(frozen=True)
+class BatchAgainstAlone:
+    """``generate``'s picks in the left-padded batch, held to greedy on each prompt alone."""
+
+    #: The largest shortfall of a picked token's logit below the top logit of that step, over
+    #: every generated step of every row, relative to the row's largest |logit|: 0 when every pick
+    #: is the alone greedy choice.
+    worst_gap: float
+    #: Rows whose prompt tokens in the batch are not the prompt's own tokens (a wrong layout).
+    misplaced_rows: tuple[int, ...]
+
+
+@torch.inference_mode()
+def batch_against_alone(model: Any, generated: torch.Tensor, new_tokens: int) -> BatchAgainstAlone:
+    """Hold each row of ``generated`` (``generate``'s tokens for the left-padded :data:`PROMPTS`)
+    to its prompt alone: the row's prompt and picks, without padding, go through one uncached
+    forward, and each pick's logit is compared with the top logit of its step.
+
+    The cached-against-uncached checks cannot see a ``generate`` that lets the shorter prompt
+    attend to its padding (TransformerLens 2.13 to 3.0.0): cached and uncached then agree, both
+    wrong. Greedy ties are allowed up to rounding: a pick counts as greedy when its logit is within
+    twice the dtype's tolerance of the top one (each of the two logits may be off by one).
+    """
+    worst = 0.0
+    misplaced = []
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.to_tokens(prompt).to(generated.device)
+        length = int(alone.shape[1])
+        sequence = generated[row, -(length + new_tokens) :]
+        if not torch.equal(sequence[:length], alone[0]):
+            misplaced.append(row)
+            continue
+        logits = model(sequence.unsqueeze(0))[0, length - 1 : -1].float()
+        picked = logits.gather(1, sequence[length:].unsqueeze(1)).squeeze(1)
+        gaps = (logits.max(dim=1).values - picked) / logits.abs().max().clamp_min(1e-6)
+        worst = max(worst, float(gaps.max()))
+    return BatchAgainstAlone(worst, tuple(misplaced))

@@ -42,6 +42,10 @@ class CheckResult:
     #: against the bridge's uncached forward, held to ``tolerance``; ``None`` where it is missing.
     hf_generate_rel_err: float | None = None
     generate_ok: bool | None = None
+    #: HookedTransformer rows: how far ``generate``'s picks on the left-padded batch of two fall
+    #: below greedy on each prompt alone (the largest shortfall of a pick's logit under the top
+    #: one, relative to the largest |logit|), held to twice ``tolerance``.
+    alone_gap: float | None = None
     greedy_agreement: float | None = None
     cache_dtype: str | None = None
     cache_device: str | None = None

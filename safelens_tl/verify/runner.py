@@ -146,6 +146,7 @@ def check_hooked(model: Any, name: str) -> CheckResult:
         result.ms_per_token_cached = 1000 * timed.seconds_cached / timed.new_tokens
         result.ms_per_token_uncached = 1000 * timed.seconds_uncached / timed.new_tokens
         result.speedup = timed.speedup
+        problems.extend(_alone_problems(result, model, timed))
     except Exception as error:
         result.generate_ok = False
         raised.setdefault(short_error(error), []).append("generate(use_past_kv_cache=True)")
@@ -154,6 +155,26 @@ def check_hooked(model: Any, name: str) -> CheckResult:
     result.passed = not problems
     result.error = "; ".join(problems) or None
     return result
+
+
+def _alone_problems(result: CheckResult, model: Any, timed: checks.TimedGeneration) -> list[str]:
+    """Hold ``generate``'s rows to greedy on each prompt alone (see
+    :func:`checks.batch_against_alone`); record the gap on ``result``."""
+    against = checks.batch_against_alone(model, timed.cached_tokens, timed.new_tokens)
+    result.alone_gap = against.worst_gap
+    problems = [
+        f"generate's row {row} does not hold its prompt's own tokens at its end"
+        for row in against.misplaced_rows
+    ]
+    bound = 2 * (result.tolerance or 0.0)
+    if not against.worst_gap <= bound:
+        problems.append(
+            f"generate picks tokens that are not greedy for each prompt alone (a pick's logit "
+            f"{against.worst_gap:.2e} below the top one, relative; allowed {bound:.0e}): this "
+            "release's generate gives a padded batch's rows, or every prompt's positions, other "
+            "logits than the model's own forward (docs/verify.md)"
+        )
+    return problems
 
 
 def _timed(run: Callable[[], CheckResult]) -> CheckResult:
