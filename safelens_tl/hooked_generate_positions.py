@@ -10,9 +10,10 @@ model generates without any position, cached or not, a single prompt as well as 
 any other pad id the same mask is all ones, and positions are right. (TransformerLens makes the
 end-of-text token the pad token of a tokenizer that has none; GPT-NeoX's vocabulary numbers it 0.)
 
-Inside a patched ``generate``, the mask of that call (the only ``get_residual`` call made
-without ``tokens``) is replaced by all ones: what the release computes for every tokenizer whose
-pad id is not 0. Nothing else changes; rotary and ALiBi models never read it.
+Inside a patched ``generate`` with a pad id of 0, the mask of that call (the only
+``get_residual`` call made without ``tokens``) is replaced by all ones: what the release computes
+for every tokenizer whose pad id is not 0. Nothing else changes; rotary and ALiBi models never
+read it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def unpadded_placeholder_mask(get_residual: Callable[..., Any]) -> Callable[...,
             and len(args) <= 2
             and "tokens" not in kwargs
             and _generating.get() is self
+            # Any other pad id already gives all ones: no new tensor at each step then.
+            and getattr(self.tokenizer, "pad_token_id", None) == 0
         ):
             kwargs["attention_mask"] = mask.new_ones(mask.shape)
         return get_residual(self, *args, **kwargs)
