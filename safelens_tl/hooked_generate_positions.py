@@ -53,9 +53,9 @@ def unpadded_placeholder_mask(get_residual: Callable[..., Any]) -> Callable[...,
             mask is not None
             and len(args) <= 2
             and "tokens" not in kwargs
-            and _generating.get() is self
             # Any other pad id already gives all ones: no new tensor at each step then.
             and getattr(self.tokenizer, "pad_token_id", None) == 0
+            and _generating.get() is self
         ):
             kwargs["attention_mask"] = mask.new_ones(mask.shape)
         return get_residual(self, *args, **kwargs)
