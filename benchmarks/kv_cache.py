@@ -545,7 +545,13 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
         device=DEVICE,
         seed=0,
     )
-    return HookedTransformer(cfg, tokenizer=models.load_tokenizer()).eval()
+    model = HookedTransformer(cfg, tokenizer=models.load_tokenizer()).eval()
+    # Padded with BOS, not id 0: TransformerLens 2.13-3.0.0's generate drops this model's learned
+    # positions for a pad id of 0 and safelens-tl does not (safelens_tl.hooked_generate_positions),
+    # so stock and patched would generate other tokens, and stop at EOS at other steps. (Set on
+    # the model's tokenizer: TransformerLens loads its own copy of the one it is given.)
+    model.tokenizer.pad_token_id = model.tokenizer.bos_token_id
+    return model
 
 
 def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
@@ -643,7 +649,8 @@ def _proc_status(field_name: str) -> int:
 
 
 def _stop_token(model: Any, tokens: torch.Tensor, after: int) -> int:
-    """The token greedy generation produces at step ``after``: as EOS, it stops it there."""
+    """The token greedy generation produces at step ``after``: as EOS, it stops it there (or
+    earlier, where that token came before)."""
     generated = model.generate(
         tokens, max_new_tokens=after, do_sample=False, stop_at_eos=False, verbose=False
     )

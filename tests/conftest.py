@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -38,6 +39,30 @@ requires_hooked_transformer = pytest.mark.skipif(
     not HAS_HOOKED_TRANSFORMER,
     reason=f"TransformerLens {RELEASE} has no HookedTransformer",
 )
+
+
+@contextlib.contextmanager
+def stock_with_positions(model: Any) -> Iterator[None]:
+    """Stock ``generate`` as the release runs it for a tokenizer whose pad token id is not 0.
+
+    TransformerLens 2.13 to 3.0.0's ``generate`` drops learned positions when that id is 0, and
+    safelens-tl returns on purpose what the release returns for any other pad id
+    (:mod:`safelens_tl.hooked_generate_positions`): the stock answer to compare with. Elsewhere,
+    and for other pad ids, nothing changes.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    if (
+        not targets.hooked_generate_masks_no_padding(RELEASE)
+        or tokenizer is None
+        or tokenizer.pad_token_id != 0
+    ):
+        yield
+        return
+    tokenizer.pad_token_id = tokenizer.bos_token_id
+    try:
+        yield
+    finally:
+        tokenizer.pad_token_id = 0
 
 
 #: ``benchmarks/``: scripts, not a package.

@@ -5,7 +5,9 @@ long enough to move the cache from ``torch.cat`` to buffers.
 
 Stock and patched run the same call on the same model, one after the other, with the same seed.
 Where stock masks no padding (TransformerLens 2.13 to 3.0.0), a list of strings of different
-lengths is held to stock's answer for each string alone, which safelens-tl returns on purpose.
+lengths is held to stock's answer for each string alone, and the GPT-2-like model (learned
+positions, pad token id 0) to stock's answer with another pad id: what safelens-tl returns on
+purpose (``conftest.stock_with_positions``).
 Float32 on every release; float16 where stock generates in it (TransformerLens 3.0.0's stock
 cache fails in half precision: ``test_generate.py``). Both storage modes (``torch.cat`` and
 buffers) run every case.
@@ -22,7 +24,7 @@ import torch
 import safelens_tl
 from safelens_tl import kv_storage, targets
 from safelens_tl.verify import checks
-from tests.conftest import RELEASE, requires_hooked_transformer
+from tests.conftest import RELEASE, requires_hooked_transformer, stock_with_positions
 
 pytestmark = [requires_hooked_transformer, pytest.mark.both_cache_modes]
 
@@ -109,11 +111,12 @@ def test_every_generate_option_returns_what_stock_returns(
 ) -> None:
     model = model_for(name, dtype)
     arguments = CASES[case](model)
-    stock = _generate(model, arguments)
-    if case == "a list of strings" and targets.hooked_generate_masks_no_padding(RELEASE):
-        # Stock attends to the padding here (tests/test_hooked_generate_batch.py); safelens-tl
-        # returns on purpose what stock gives each prompt alone.
-        stock = [_generate(model, {**arguments, "input": text}) for text in arguments["input"]]
+    with stock_with_positions(model):
+        stock = _generate(model, arguments)
+        if case == "a list of strings" and targets.hooked_generate_masks_no_padding(RELEASE):
+            # Stock attends to the padding here (tests/test_hooked_generate_batch.py);
+            # safelens-tl returns on purpose what stock gives each prompt alone.
+            stock = [_generate(model, {**arguments, "input": text}) for text in arguments["input"]]
     safelens_tl.activate()
     if case != "long":
         _assert_same(stock, _generate(model, arguments))
@@ -142,10 +145,11 @@ def test_rows_stop_at_eos_where_stock_stops_them(name: str) -> None:
     row stops early and the other goes on: the batch ends before ``max_new_tokens``."""
     model = model_for(name, torch.float32)
     tokens = _batch(model)
-    free = _generate(model, {"input": tokens, "do_sample": False})
-    eos = int(free[0, tokens.shape[1] + 2])
-    arguments = {"input": tokens, "do_sample": False, "stop_at_eos": True, "eos_token_id": eos}
-    stock = _generate(model, arguments)
+    with stock_with_positions(model):
+        free = _generate(model, {"input": tokens, "do_sample": False})
+        eos = int(free[0, tokens.shape[1] + 2])
+        arguments = {"input": tokens, "do_sample": False, "stop_at_eos": True, "eos_token_id": eos}
+        stock = _generate(model, arguments)
     assert stock.shape[1] <= free.shape[1]
     safelens_tl.activate()
     patched = _generate(model, arguments)
