@@ -54,6 +54,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     model = layout.model_class()
     if model is None:
         return patches
+    unmasked = targets.hooked_generate_masks_no_padding(layout.release)
     # Each sizes every layer's cache once, for prompt + max_new_tokens (no regrowth, no spare).
     # generate_stream exists from TL 3.9 on; its presence is checked, not the release.
     for name, wrap in (
@@ -63,7 +64,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         original = model.__dict__.get(name)
         if callable(original):
             replacement = wrap(original)
-            if name == "generate" and targets.hooked_generate_masks_no_padding(layout.release):
+            if name == "generate" and unmasked:
                 replacement = hooked_generate_positions.marking_generate(replacement)
                 # Outermost: each call per length then gets its own reservation.
                 replacement = hooked_generate_batch.generating_each_length_apart(
@@ -71,7 +72,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
                 )
             patches.append(Patch(model, name, replacement))
     get_residual = model.__dict__.get("get_residual")
-    if callable(get_residual) and targets.hooked_generate_masks_no_padding(layout.release):
+    if callable(get_residual) and unmasked:
         patches.append(
             Patch(
                 model,

@@ -10,10 +10,10 @@ model generates without any position, cached or not, a single prompt as well as 
 any other pad id the same mask is all ones, and positions are right. (TransformerLens makes the
 end-of-text token the pad token of a tokenizer that has none; GPT-NeoX's vocabulary numbers it 0.)
 
-Inside a patched ``generate`` with a pad id of 0, the mask of that call (the only
-``get_residual`` call made without ``tokens``) is replaced by all ones: what the release computes
-for every tokenizer whose pad id is not 0. Nothing else changes; rotary and ALiBi models never
-read it.
+A patched ``generate`` on such a model (learned positions, pad id 0) marks it, and the mask of
+``generate``'s own ``get_residual`` call (the only one made without ``tokens``) is filled with
+ones: what the release computes for every tokenizer whose pad id is not 0. Other models, and
+every other ``get_residual`` call, are left as they are.
 """
 
 from __future__ import annotations
