@@ -8,8 +8,7 @@ from typing import Any
 from safelens_tl import (
     generate_reserve,
     hooked_alibi,
-    hooked_generate_batch,
-    hooked_generate_positions,
+    hooked_generate_mask,
     hooked_moe_dtype,
     kv_cache,
     targets,
@@ -36,8 +35,9 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
     ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length; on
-    releases that mask no padding, a batch of prompts of different lengths generated one call per
-    length, and learned positions kept where the pad token id is 0), and the construction of ALiBi
+    releases that build generate's step mask from zeros, that mask built from the prompts as 3.1
+    builds it, so that a padded batch is masked and learned positions are kept where the pad token
+    id is 0), and the construction of ALiBi
     attention and mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
@@ -65,21 +65,17 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         if callable(original):
             replacement = wrap(original)
             if name == "generate" and unmasked:
-                replacement = hooked_generate_positions.marking_generate(replacement)
-                # Outermost: each call per length then gets its own reservation.
-                replacement = hooked_generate_batch.generating_each_length_apart(
-                    replacement, original
-                )
+                # Outermost: the reservation then sees the tokens a list was turned into.
+                replacement = hooked_generate_mask.masking_generate(replacement, original)
             patches.append(Patch(model, name, replacement))
-    get_residual = model.__dict__.get("get_residual")
-    if callable(get_residual) and unmasked:
-        patches.append(
-            Patch(
-                model,
-                "get_residual",
-                hooked_generate_positions.unpadded_placeholder_mask(get_residual),
-            )
-        )
+    if unmasked:
+        for name, mask_step in (
+            ("get_residual", hooked_generate_mask.masked_step_residual),
+            ("forward", hooked_generate_mask.masked_step_forward),
+        ):
+            original = model.__dict__.get(name)
+            if callable(original):
+                patches.append(Patch(model, name, mask_step(original)))
     patches.extend(_layer_patches())
     return patches
 

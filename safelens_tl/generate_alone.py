@@ -1,9 +1,12 @@
-"""Generating a batch of text prompts of different lengths in parts that need no padding, for
-``generate`` methods that do not mask a batch's padding (:mod:`safelens_tl.hooked_generate_batch`
-and :mod:`safelens_tl.bridge_generate_batch`): one call per token count.
+"""Generating a batch of text prompts of different lengths in parts that need no padding, for a
+``generate`` that does not mask a batch's padding (TransformerLens 3.0 to 3.7's
+``TransformerBridge.generate``, :mod:`safelens_tl.bridge_generate_batch`): one call per token
+count.
 
 Prompts of one token count need no padding, so they generate right however their release masks;
-the wrappers decide when a batch needs it and how to return the results.
+the wrapper decides when a batch needs it and how to return the results.
+(``HookedTransformer.generate`` of 2.13 to 3.0.0 is masked within one batch instead:
+:mod:`safelens_tl.hooked_generate_mask`.)
 """
 
 from __future__ import annotations
@@ -16,11 +19,8 @@ from typing import Any
 #: ``return_type`` values under which a list of prompts comes back as a list of texts.
 RETURNS_TEXT = ("input", "str")
 
-#: How many tokens ``generate`` makes of one prompt: ``(model, prompt, bound arguments) -> int``.
-TokenCounter = Callable[[Any, str, dict[str, Any]], int]
 
-
-def count_with_the_tokenizer(model: Any, prompt: str, arguments: dict[str, Any]) -> int:
+def _token_count(model: Any, prompt: str) -> int:
     """The prompt's token count by the model's tokenizer; special tokens (BOS) add the same count
     to every prompt, so the grouping is ``generate``'s."""
     return len(model.tokenizer(prompt)["input_ids"])
@@ -79,7 +79,6 @@ def batch_to_split(
     model: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    count_tokens: TokenCounter = count_with_the_tokenizer,
 ) -> SplitBatch | None:
     """The call split by token count, when it asks for two or more text prompts of different
     lengths; ``None`` for any other call, arguments the signature refuses included (the original
@@ -103,5 +102,5 @@ def batch_to_split(
         return None
     groups: dict[int, list[int]] = {}
     for index, prompt in enumerate(given):
-        groups.setdefault(count_tokens(model, prompt, bound.arguments), []).append(index)
+        groups.setdefault(_token_count(model, prompt), []).append(index)
     return SplitBatch(bound, list(given), groups) if len(groups) > 1 else None

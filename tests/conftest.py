@@ -47,7 +47,7 @@ def stock_with_positions(model: Any) -> Iterator[None]:
 
     TransformerLens 2.13 to 3.0.0's ``generate`` drops learned positions when that id is 0, and
     safelens-tl returns on purpose what the release returns for any other pad id
-    (:mod:`safelens_tl.hooked_generate_positions`): the stock answer to compare with. Elsewhere,
+    (:mod:`safelens_tl.hooked_generate_mask`): the stock answer to compare with. Elsewhere,
     and for other pad ids, nothing changes.
     """
     tokenizer = getattr(model, "tokenizer", None)

@@ -5,9 +5,9 @@ long enough to move the cache from ``torch.cat`` to buffers.
 
 Stock and patched run the same call on the same model, one after the other, with the same seed.
 Where stock masks no padding (TransformerLens 2.13 to 3.0.0), a list of strings of different
-lengths is held to stock's answer for each string alone, and the GPT-2-like model (learned
-positions, pad token id 0) to stock's answer with another pad id: what safelens-tl returns on
-purpose (``conftest.stock_with_positions``).
+lengths is held to stock's answer for each string alone, a batch of token rows is of one length,
+and the GPT-2-like model (learned positions, pad token id 0) is held to stock's answer with
+another pad id: what safelens-tl returns on purpose (``conftest.stock_with_positions``).
 Float32 on every release; float16 where stock generates in it (TransformerLens 3.0.0's stock
 cache fails in half precision: ``test_generate.py``). Both storage modes (``torch.cat`` and
 buffers) run every case.
@@ -47,8 +47,18 @@ def model_for(name: str, dtype: torch.dtype) -> Any:
     return _models[name, dtype]
 
 
+#: Two prompts of different lengths, padded (on the left: the tiny models' tokenizer pads there).
+#: Where stock masks no padding (TransformerLens 2.13 to 3.0.0) its padded rows are wrong and
+#: safelens-tl's are not (tests/test_hooked_generate_mask.py), so there the batch is of one length.
+BATCH = (
+    ["the cat runs", "the dog runs"]
+    if targets.hooked_generate_masks_no_padding(RELEASE)
+    else ["the cat runs", "a big old dog sleeps in the quiet house"]
+)
+
+
 def _batch(model: Any) -> torch.Tensor:
-    return model.to_tokens(["the cat runs", "a big old dog sleeps in the quiet house"])
+    return model.to_tokens(BATCH)
 
 
 def _one(model: Any) -> torch.Tensor:
@@ -114,7 +124,7 @@ def test_every_generate_option_returns_what_stock_returns(
     with stock_with_positions(model):
         stock = _generate(model, arguments)
         if case == "a list of strings" and targets.hooked_generate_masks_no_padding(RELEASE):
-            # Stock attends to the padding here (tests/test_hooked_generate_batch.py);
+            # Stock attends to the padding here (tests/test_hooked_generate_mask.py);
             # safelens-tl returns on purpose what stock gives each prompt alone.
             stock = [_generate(model, {**arguments, "input": text}) for text in arguments["input"]]
     safelens_tl.activate()
