@@ -164,3 +164,47 @@ def test_concurrent_generation_equals_single_thread(model_name: str, dtype: torc
         concurrent = list(pool.map(together, PROMPTS))
     for prompt, single, threaded in zip(PROMPTS, alone, concurrent, strict=True):
         assert torch.equal(single, threaded), prompt
+
+
+@requires_hooked_transformer
+def test_threads_generating_padded_batches_and_single_prompts_at_once() -> None:
+    """Each thread's ``generate`` masks its own batch (TransformerLens 2.13 to 3.0.0 get that
+    mask from safelens-tl, through a per-thread ``ContextVar``): padded batches of two and
+    single prompts, generated together on one model, give the single-thread tokens."""
+    from safelens_tl.verify.models import build_model
+
+    assert safelens_tl.activate().active
+    model = build_model("llama-like-gqa", torch.float32)
+    inputs: list[str | list[str]] = [
+        [PROMPTS[0], PROMPTS[1]],
+        PROMPTS[2],
+        [PROMPTS[3], PROMPTS[4]],
+        PROMPTS[5],
+        [PROMPTS[1], PROMPTS[5]],
+        PROMPTS[0],
+    ]
+
+    def generate(prompt: str | list[str]) -> torch.Tensor:
+        tokens: torch.Tensor = model.generate(
+            prompt,
+            max_new_tokens=8,
+            do_sample=False,
+            use_past_kv_cache=True,
+            verbose=False,
+            stop_at_eos=False,
+            return_type="tokens",
+        )
+        return tokens
+
+    alone = [generate(prompt) for prompt in inputs]
+    barrier = threading.Barrier(len(inputs))
+
+    def together(prompt: str | list[str]) -> torch.Tensor:
+        barrier.wait()
+        return generate(prompt)
+
+    for _ in range(3):
+        with ThreadPoolExecutor(len(inputs)) as pool:
+            concurrent = list(pool.map(together, inputs))
+        for prompt, single, threaded in zip(inputs, alone, concurrent, strict=True):
+            assert torch.equal(single, threaded), prompt
