@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from safelens_tl import (
     generate_reserve,
     hooked_alibi,
     hooked_generate_mask,
+    hooked_generate_ones_mask,
     hooked_moe_dtype,
     kv_cache,
     targets,
@@ -55,6 +57,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     if model is None:
         return patches
     unmasked = targets.hooked_generate_masks_no_padding(layout.release)
+    passes_its_mask = targets.hooked_generate_passes_its_mask(layout.release)
     # Each sizes every layer's cache once, for prompt + max_new_tokens (no regrowth, no spare).
     # generate_stream exists from TL 3.9 on; its presence is checked, not the release.
     for name, wrap in (
@@ -67,15 +70,24 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
             if name == "generate" and unmasked:
                 # Outermost: the reservation then sees the tokens a list was turned into.
                 replacement = hooked_generate_mask.masking_generate(replacement, original)
+            elif name == "generate" and passes_its_mask:
+                replacement = hooked_generate_ones_mask.marking_generate(replacement)
             patches.append(Patch(model, name, replacement))
+    step_wrappers: tuple[tuple[str, Callable[..., Any]], ...] = ()
     if unmasked:
-        for name, mask_step in (
+        step_wrappers = (
             ("get_residual", hooked_generate_mask.masked_step_residual),
             ("forward", hooked_generate_mask.masked_step_forward),
-        ):
-            original = model.__dict__.get(name)
-            if callable(original):
-                patches.append(Patch(model, name, mask_step(original)))
+        )
+    elif passes_its_mask:
+        step_wrappers = (
+            ("get_residual", hooked_generate_ones_mask.recording_residual),
+            ("forward", hooked_generate_ones_mask.unmasked_forward),
+        )
+    for name, wrap_step in step_wrappers:
+        original = model.__dict__.get(name)
+        if callable(original):
+            patches.append(Patch(model, name, wrap_step(original)))
     patches.extend(_layer_patches())
     return patches
 

@@ -373,6 +373,13 @@ def major_version(release: str) -> int | None:
 HOOKED_GENERATE_MASKS_NO_PADDING = ((2, 13, 0), (3, 1, 0))
 
 
+#: TransformerLens releases whose ``HookedTransformer.generate`` passes its step mask, built from
+#: the prompts and extended with ones, to ``get_residual`` and ``forward``, and whose attention
+#: computes the same numbers without an all-ones mask. Read from the wheels of 3.1.0, 3.5.0, 3.8.0
+#: and 3.9.0; 4.x has no ``HookedTransformer``.
+HOOKED_GENERATE_PASSES_ITS_MASK = ((3, 1, 0), (4, 0, 0))
+
+
 def release_numbers(release: str) -> tuple[int, ...] | None:
     """``(major, minor, patch)`` of a version such as ``"3.0.0"`` or ``"2.18.0.dev1"``; ``None``
     when it does not start with three numbers."""
@@ -388,6 +395,15 @@ def hooked_generate_masks_no_padding(release: str | None) -> bool:
     (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`); ``False`` for an unknown version."""
     numbers = None if release is None else release_numbers(release)
     first, end = HOOKED_GENERATE_MASKS_NO_PADDING
+    return numbers is not None and first <= numbers < end
+
+
+def hooked_generate_passes_its_mask(release: str | None) -> bool:
+    """Whether this release's ``HookedTransformer.generate`` passes an all-ones mask that can be
+    left out of ``forward`` (:data:`HOOKED_GENERATE_PASSES_ITS_MASK`); ``False`` for an unknown
+    version."""
+    numbers = None if release is None else release_numbers(release)
+    first, end = HOOKED_GENERATE_PASSES_ITS_MASK
     return numbers is not None and first <= numbers < end
 
 
