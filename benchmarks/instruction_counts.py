@@ -20,8 +20,8 @@ Needs ``valgrind`` with its headers (Debian: ``valgrind``) and a C compiler. Wit
 section is skipped with a note. Under valgrind everything runs ~50x slower: a full run takes a few
 minutes, most of it importing torch.
 
-Run ``python benchmarks/instruction_counts.py`` alone, or as the ``instructions`` section of
-``benchmarks/kv_cache.py``.
+Run ``python benchmarks/instruction_counts.py [--model llama-like-gqa]`` alone, or as the
+``instructions`` section of ``benchmarks/kv_cache.py`` (the GPT-2-like model).
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ void safelens_count_stop(const char *label) {
 }
 """
 
-#: (prompt, new tokens) of each generation counted, batch 1, on the verifier's GPT-2-like model.
+#: (prompt, new tokens) of each generation counted, batch 1.
 GENERATIONS: tuple[tuple[int, int], ...] = ((8, 48), (1, 16))
 ROUNDS = 5
+#: The model counted by default: the verifier's GPT-2-like model (learned positions).
+MODEL = "gpt2-like"
 
 
 def build_helper(folder: Path) -> Path | str:
@@ -72,7 +74,9 @@ def build_helper(folder: Path) -> Path | str:
     return library
 
 
-def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> None:
+def child(
+    helper: str, generations: Sequence[tuple[int, int]], rounds: int, model_name: str = MODEL
+) -> None:
     """Under callgrind: count each generation, stock and patched, as ``variant|prompt+new``."""
     import ctypes
 
@@ -86,7 +90,7 @@ def child(helper: str, generations: Sequence[tuple[int, int]], rounds: int) -> N
     sys.setswitchinterval(1000.0)  # no forced switches to other threads while counting
     torch.set_num_threads(1)
     counter = ctypes.CDLL(helper)
-    model = build_model("gpt2-like", torch.float32)
+    model = build_model(model_name, torch.float32)
     for prompt, new in generations:
         tokens = kv_cache._tokens(model, prompt, 1)
         for on in (False, True):
@@ -161,9 +165,10 @@ def _counts(folder: Path) -> dict[tuple[str, str], list[int]]:
 
 
 def measure(
-    generations: Sequence[tuple[int, int]] = GENERATIONS, rounds: int = ROUNDS
+    generations: Sequence[tuple[int, int]] = GENERATIONS, rounds: int = ROUNDS, model: str = MODEL
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Count every generation; return the rows and ``None``, or no rows and why."""
+    """Count every generation of ``model`` (a verifier model's name); return the rows and
+    ``None``, or no rows and why."""
     with tempfile.TemporaryDirectory(prefix="safelens-callgrind-") as name:
         folder = Path(name)
         helper = build_helper(folder)
@@ -174,7 +179,7 @@ def measure(
         env.setdefault("HF_HUB_OFFLINE", "1")
         command = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
         command += ["--instr-atstart=no", f"--callgrind-out-file={folder}/callgrind.out.%p"]
-        command += [sys.executable, __file__, "--child", str(helper), shapes, str(rounds)]
+        command += [sys.executable, __file__, "--child", str(helper), shapes, str(rounds), model]
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             return [], f"valgrind exited with {done.returncode}: {done.stderr[-300:]}"
@@ -225,16 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     """Count, print the table; ``--child`` is the part that runs under valgrind."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--model",
+        default=MODEL,
+        help=f"a verifier model: {MODEL} (learned positions) or llama-like-gqa (rotary)",
+    )
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        helper, shapes, rounds = args.child
+        helper, shapes, rounds, model = args.child
         pairs = [tuple(int(n) for n in shape.split("+")) for shape in shapes.split(",")]
-        child(helper, [(prompt, new) for prompt, new in pairs], int(rounds))
+        child(helper, [(prompt, new) for prompt, new in pairs], int(rounds), model)
         return 0
     from rich.console import Console
 
-    rows, reason = measure(GENERATIONS, args.rounds)
+    rows, reason = measure(GENERATIONS, args.rounds, args.model)
     if reason is not None:
         print(f"instruction counts skipped: {reason}")
         return 0

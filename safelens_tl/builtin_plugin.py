@@ -71,7 +71,7 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
                 # Outermost: the reservation then sees the tokens a list was turned into.
                 replacement = hooked_generate_mask.masking_generate(replacement, original)
             elif name == "generate" and passes_its_mask:
-                replacement = hooked_generate_ones_mask.marking_generate(replacement)
+                replacement = hooked_generate_ones_mask.marking_generate(replacement, original)
             patches.append(Patch(model, name, replacement))
     step_wrappers: tuple[tuple[str, Callable[..., Any]], ...] = ()
     if unmasked:

@@ -45,11 +45,17 @@ _generating: ContextVar[Generating | None] = ContextVar(
 )
 
 
-def marking_generate(generate: Callable[..., Any]) -> Callable[..., Any]:
+def marking_generate(
+    generate: Callable[..., Any], original: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` so that its steps' ``get_residual`` and ``forward``
-    calls know they are its own."""
+    calls know they are its own.
 
-    @functools.wraps(generate)
+    ``generate`` generates (``generate`` or a wrapper of it); the result presents itself as
+    ``original`` (by default ``generate``), so that a patch always wraps the original itself.
+    """
+
+    @functools.wraps(generate if original is None else original)
     def marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _generating.set(Generating(self))
         try:

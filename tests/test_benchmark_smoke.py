@@ -555,7 +555,9 @@ def test_the_patched_generate_launches_no_more_kernels_than_stock() -> None:
     """On a GPU each operation that is not a view is a kernel launch, which bounds a tiny model's
     generation there. Past the small-cache limit (64 KiB per tensor: 80 positions at batch 4
     here), patched writes each step with one ``copy_`` where stock runs one ``cat``; only the
-    buffers' allocation and the prompt's write into them are extra."""
+    buffers' allocation and the prompt's write into them are extra. On TransformerLens 3.1-3.9
+    the unpadded batch's all-ones mask is left out of attention, which saves more kernels than
+    those add (:mod:`safelens_tl.hooked_generate_ones_mask`)."""
     operation_counts = benchmark_module("operation_counts")
     counts = operation_counts.count(80, 6, 4)
     stock, patched = counts["stock"], counts["patched"]
@@ -567,7 +569,11 @@ def test_the_patched_generate_launches_no_more_kernels_than_stock() -> None:
     from safelens_tl.verify.models import GPT2_LIKE
 
     layers = int(GPT2_LIKE["n_layers"])
-    assert kernels(stock) <= kernels(patched) <= kernels(stock) + 8 * layers
+    assert kernels(patched) <= kernels(stock) + 8 * layers
+    if targets.hooked_generate_passes_its_mask(RELEASE):
+        assert kernels(patched) < kernels(stock)
+    else:
+        assert kernels(stock) <= kernels(patched)
 
 
 def test_operation_counts_refuses_a_malformed_shape() -> None:
