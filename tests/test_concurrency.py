@@ -130,6 +130,20 @@ PROMPTS = (
 )
 
 
+def _greedy_tokens(model: Any, prompt: str | list[str]) -> torch.Tensor:
+    """8 greedy tokens after ``prompt``, cached, as one tensor."""
+    tokens: torch.Tensor = model.generate(
+        prompt,
+        max_new_tokens=8,
+        do_sample=False,
+        use_past_kv_cache=True,
+        verbose=False,
+        stop_at_eos=False,
+        return_type="tokens",
+    )
+    return tokens
+
+
 @requires_hooked_transformer
 @pytest.mark.parametrize(
     ("model_name", "dtype"), [("gpt2-like", torch.float32), ("llama-like-gqa", torch.float16)]
@@ -142,16 +156,7 @@ def test_concurrent_generation_equals_single_thread(model_name: str, dtype: torc
     model = build_model(model_name, dtype)
 
     def generate(prompt: str) -> torch.Tensor:
-        tokens: torch.Tensor = model.generate(
-            prompt,
-            max_new_tokens=8,
-            do_sample=False,
-            use_past_kv_cache=True,
-            verbose=False,
-            stop_at_eos=False,
-            return_type="tokens",
-        )
-        return tokens
+        return _greedy_tokens(model, prompt)
 
     alone = [generate(prompt) for prompt in PROMPTS]
     barrier = threading.Barrier(len(PROMPTS))
@@ -185,16 +190,7 @@ def test_threads_generating_padded_batches_and_single_prompts_at_once() -> None:
     ]
 
     def generate(prompt: str | list[str]) -> torch.Tensor:
-        tokens: torch.Tensor = model.generate(
-            prompt,
-            max_new_tokens=8,
-            do_sample=False,
-            use_past_kv_cache=True,
-            verbose=False,
-            stop_at_eos=False,
-            return_type="tokens",
-        )
-        return tokens
+        return _greedy_tokens(model, prompt)
 
     alone = [generate(prompt) for prompt in inputs]
     barrier = threading.Barrier(len(inputs))
