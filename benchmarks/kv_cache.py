@@ -593,11 +593,14 @@ def time_generate(
         return CLOCKS[clock]() - start
 
 
-def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
-    """Tokens per second of ``generate`` at each of ``sizes.generations``, stock and patched."""
+def bench_generate(
+    sizes: Sizes, results: Results, clock: str = "wall", short_model_name: str = "gpt2-like"
+) -> None:
+    """Tokens per second of ``generate`` at each of ``sizes.generations``, stock and patched;
+    the short generations on the verifier model ``short_model_name``."""
     from safelens_tl.verify.models import build_model
 
-    short_model = build_model("gpt2-like", torch.float32, DEVICE)
+    short_model = build_model(short_model_name, torch.float32, DEVICE)
     for label, prompt, new, batch, rounds in sizes.generations:
         model = long_model(sizes.long_n_ctx) if label == "long" else short_model
         tokens = _tokens(model, prompt, batch)
@@ -618,9 +621,10 @@ def bench_generate(sizes: Sizes, results: Results, clock: str = "wall") -> None:
         )
         paired, paired_interval = paired_median(samples["stock"], samples["patched"])
         same, same_interval = paired_median(samples["stock"], samples["stock again"])
+        named = label == "long" or short_model_name == "gpt2-like"
         results.generate.append(
             {
-                "context": label,
+                "context": label if named else f"{label}, {short_model_name}",
                 "prompt": prompt,
                 "new": new,
                 "batch": batch,
@@ -1172,6 +1176,13 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where models, caches and tensors live: cpu (default) or cuda (one GPU)",
     )
+    parser.add_argument(
+        "--short-model",
+        default="gpt2-like",
+        choices=("gpt2-like", "llama-like-gqa"),
+        help="the verifier model of the short generations (default gpt2-like; llama-like-gqa "
+        "is rotary)",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global DEVICE
@@ -1208,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
         "append": functools.partial(bench_append, layout, sizes, results),
         "step": functools.partial(bench_step, layout, sizes, results),
         "instructions": functools.partial(bench_instructions, sizes, results),
-        "generate": functools.partial(bench_generate, sizes, results, args.clock),
+        "generate": functools.partial(bench_generate, sizes, results, args.clock, args.short_model),
         "memory": functools.partial(bench_memory, sizes, results),
         "trace": functools.partial(bench_trace, sizes, results),
         "autocast": functools.partial(bench_autocast, sizes, results),

@@ -146,6 +146,22 @@ def test_benchmark_refuses_zero_rounds() -> None:
     assert "--short-rounds: expected at least 1; received 0" in done.stderr
 
 
+@requires_hooked_transformer
+def test_the_short_generations_run_on_the_chosen_model(tmp_path: Path) -> None:
+    """``--short-model llama-like-gqa``: the short rows name the rotary model; the long row
+    keeps its own model."""
+    output = tmp_path / "generate.json"
+    done = run_script(
+        "kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "2",
+        "--short-model", "llama-like-gqa", "--json", str(output),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    contexts = [row["context"] for row in json.loads(output.read_text())["generate"]]
+    assert "short, llama-like-gqa" in contexts and "long" in contexts, contexts
+    refused = run_script("kv_cache.py", "--quick", "--only", "generate", "--short-model", "gpt9")
+    assert refused.returncode == 2 and "--short-model" in refused.stderr
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 def test_rounds_give_every_variant_every_place_equally_often(count: int) -> None:
     kv_cache = benchmark_module("kv_cache")
