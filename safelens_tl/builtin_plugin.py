@@ -36,11 +36,11 @@ def _labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[A
 @hookimpl
 def safelens_tl_patches(layout: Layout) -> list[Patch]:
     """Patch the entry's ``init_cache_entry``/``append``, the cache's mask and ``init_cache``,
-    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length; on
-    releases that build generate's step mask from zeros, that mask built from the prompts as 3.1
-    builds it, so that a padded batch is masked and learned positions are kept where the pad token
-    id is 0), and the construction of ALiBi
-    attention and mixture-of-experts layers, where the release has them.
+    ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length), the
+    step mask of ``generate``'s ``get_residual``/``forward`` calls (2.13-3.0.0: built from the
+    prompts as 3.1 builds it, so that a padded batch is masked and learned positions are kept
+    where the pad token id is 0; 3.1-3.9: left out of ``forward`` where it is all ones), and the
+    construction of ALiBi attention and mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [

@@ -390,21 +390,28 @@ def release_numbers(release: str) -> tuple[int, ...] | None:
     return tuple(int(digit) for digit in digits)
 
 
+#: ``(first, end)``: releases from ``first`` up to, not including, ``end``.
+ReleaseRange = tuple[tuple[int, int, int], tuple[int, int, int]]
+
+
+def _within(releases: ReleaseRange, release: str | None) -> bool:
+    """Whether ``release`` lies in ``[first, end)``; ``False`` for an unknown version."""
+    numbers = None if release is None else release_numbers(release)
+    first, end = releases
+    return numbers is not None and first <= numbers < end
+
+
 def hooked_generate_masks_no_padding(release: str | None) -> bool:
     """Whether this release's ``HookedTransformer.generate`` attends to the padding of a batch
     (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`); ``False`` for an unknown version."""
-    numbers = None if release is None else release_numbers(release)
-    first, end = HOOKED_GENERATE_MASKS_NO_PADDING
-    return numbers is not None and first <= numbers < end
+    return _within(HOOKED_GENERATE_MASKS_NO_PADDING, release)
 
 
 def hooked_generate_passes_its_mask(release: str | None) -> bool:
     """Whether this release's ``HookedTransformer.generate`` passes an all-ones mask that can be
     left out of ``forward`` (:data:`HOOKED_GENERATE_PASSES_ITS_MASK`); ``False`` for an unknown
     version."""
-    numbers = None if release is None else release_numbers(release)
-    first, end = HOOKED_GENERATE_PASSES_ITS_MASK
-    return numbers is not None and first <= numbers < end
+    return _within(HOOKED_GENERATE_PASSES_ITS_MASK, release)
 
 
 def known_layout_for(release: str) -> KnownLayout | None:
