@@ -43,11 +43,10 @@ from typing import Any
 
 import torch
 
+from safelens_tl.generate_alone import RETURNS_TEXT
+
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
 LEARNED_POSITIONS = ("standard", "shortformer")
-
-#: ``return_type`` values under which a list of prompts comes back as text.
-_RETURNS_TEXT = ("input", "str")
 
 
 @dataclass
@@ -142,17 +141,13 @@ def _prompts_mask(
     if tokenizer is None or tokenizer.pad_token_id is None:
         return None
     prepend_bos = bound.arguments["prepend_bos"]
+    # _may_be_padded has seen two or more prompts or rows.
     if isinstance(given, list):
-        if len(given) < 2 or not all(isinstance(prompt, str) for prompt in given):
+        if not all(isinstance(prompt, str) for prompt in given):
             return None
         tokens = model.to_tokens(given, prepend_bos=prepend_bos, padding_side="left")
         return tokens, left_padding_mask(tokens, tokenizer, _prepend_bos(model, prepend_bos))
-    if (
-        isinstance(given, torch.Tensor)
-        and given.ndim == 2
-        and given.shape[0] >= 2
-        and tokenizer.padding_side == "left"
-    ):
+    if isinstance(given, torch.Tensor) and tokenizer.padding_side == "left":
         # Rows padded on the right go on after their padding, masked (3.1) or not (stock): wrong
         # either way, so they are left as stock runs them.
         return given, left_padding_mask(given, tokenizer, _prepend_bos(model, prepend_bos))
@@ -186,7 +181,7 @@ def _batch_call(
     if isinstance(bound.arguments["input"], list):
         # As 3.1 does: a list is tokenized once, on the left, and its texts come back as texts.
         bound.arguments["input"] = tokens
-        if bound.arguments["return_type"] in _RETURNS_TEXT:
+        if bound.arguments["return_type"] in RETURNS_TEXT:
             bound.arguments["return_type"] = "str"
     if bool(mask.all()):
         return bound, StepMask(model) if loses_positions(model) else None
