@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
 
 from safelens_tl import _startup, patching
@@ -57,7 +58,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.installed: list[patching.InstalledPatch] = []
-        self.claimed: dict[tuple[type, str], str] = {}
+        self.claimed: dict[tuple[type | ModuleType, str], str] = {}
         #: Callbacks waiting in the import watcher for a module of deferred patches.
         self.waiting: list[tuple[str, Any]] = []
         self.active = False

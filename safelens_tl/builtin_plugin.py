@@ -12,6 +12,7 @@ from safelens_tl import (
     hooked_generate_mask,
     hooked_generate_ones_mask,
     hooked_moe_dtype,
+    hooked_zeros_mask,
     kv_cache,
     targets,
 )
@@ -39,7 +40,8 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     ``HookedTransformer.generate``/``generate_stream`` (cache reserved at its final length), the
     step mask of ``generate``'s ``get_residual``/``forward`` calls (2.13-3.0.0: built from the
     prompts as 3.1 builds it, so that a padded batch is masked and learned positions are kept
-    where the pad token id is 0; 3.1-3.9: left out of ``forward`` where it is all ones), and the
+    where the pad token id is 0, and its mask of zeros computed once per ``generate``; 3.1-3.9:
+    left out of ``forward`` where it is all ones), and the
     construction of ALiBi attention and mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
@@ -69,7 +71,9 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
             replacement = wrap(original)
             if name == "generate" and unmasked:
                 # Outermost: the reservation then sees the tokens a list was turned into.
-                replacement = hooked_generate_mask.masking_generate(replacement, original)
+                replacement = hooked_generate_mask.masking_generate(
+                    hooked_zeros_mask.remembering_generate(replacement), original
+                )
             elif name == "generate" and passes_its_mask:
                 replacement = hooked_generate_ones_mask.marking_generate(replacement, original)
             patches.append(Patch(model, name, replacement))
@@ -88,6 +92,12 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
         original = model.__dict__.get(name)
         if callable(original):
             patches.append(Patch(model, name, wrap_step(original)))
+    utils = targets.optional_module(targets.HOOKED_UTILS_MODULE) if unmasked else None
+    original_mask = None if utils is None else utils.__dict__.get("get_attention_mask")
+    if utils is not None and callable(original_mask):
+        patches.append(
+            Patch(utils, "get_attention_mask", hooked_zeros_mask.answering_zeros(original_mask))
+        )
     patches.extend(_layer_patches())
     return patches
 

@@ -1,9 +1,10 @@
-"""Install and remove class-attribute replacements, keeping the exact originals."""
+"""Install and remove replacements of class and module attributes, keeping the exact originals."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 
 
 class _Missing:
@@ -20,10 +21,12 @@ MISSING = _Missing()
 class Patch:
     """Replace ``owner.<attribute>`` with ``replacement`` while active.
 
-    ``replacement`` is stored on the class as given, so pass ``classmethod(f)`` for a classmethod.
+    ``owner`` is a class, or a module for a module-level function that TransformerLens looks up
+    through its module at each call (``utils.get_attention_mask``). ``replacement`` is stored as
+    given, so pass ``classmethod(f)`` for a classmethod.
     """
 
-    owner: type
+    owner: type | ModuleType
     attribute: str
     replacement: object
     plugin: str = field(default="", compare=False)
@@ -35,6 +38,8 @@ class Patch:
     @property
     def target(self) -> str:
         """Dotted name of the replaced attribute, e.g. ``module.Class.append``."""
+        if isinstance(self.owner, ModuleType):
+            return f"{self.owner.__name__}.{self.attribute}"
         return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attribute}"
 
 
@@ -61,14 +66,14 @@ class DeferredPatches:
 
 @dataclass(frozen=True)
 class InstalledPatch:
-    """A patch in place, with what the class held before it (``MISSING`` when nothing)."""
+    """A patch in place, with what its owner held before it (``MISSING`` when nothing)."""
 
     patch: Patch
     original: object
 
 
 def install(patch: Patch) -> InstalledPatch:
-    """Put ``patch.replacement`` on the class and return the record needed to undo it."""
+    """Put ``patch.replacement`` on its owner and return the record needed to undo it."""
     original = patch.owner.__dict__.get(patch.attribute, MISSING)
     setattr(patch.owner, patch.attribute, patch.replacement)
     return InstalledPatch(patch=patch, original=original)

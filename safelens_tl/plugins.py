@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -139,8 +140,8 @@ def collect_patches(
                 Failure(
                     source,
                     "safelens_tl_patches",
-                    f"expected Patch objects naming an existing class attribute, received "
-                    f"{malformed[0]!r}; all of this plugin's patches were skipped",
+                    "expected Patch objects naming an existing class or module attribute, "
+                    f"received {malformed[0]!r}; all of this plugin's patches were skipped",
                 )
             )
             continue
@@ -149,10 +150,10 @@ def collect_patches(
 
 
 def is_valid_patch(item: object) -> bool:
-    """Whether ``item`` is a :class:`Patch` naming a class and an attribute name."""
+    """Whether ``item`` is a :class:`Patch` naming a class or module and an attribute name."""
     return (
         isinstance(item, Patch)
-        and isinstance(item.owner, type)
+        and isinstance(item.owner, (type, ModuleType))
         and isinstance(item.attribute, str)
         and item.attribute.isidentifier()
     )

@@ -10,6 +10,7 @@ import importlib
 import inspect
 import itertools
 from dataclasses import dataclass
+from types import ModuleType
 
 DISTRIBUTION = "transformer-lens"
 
@@ -67,6 +68,12 @@ KNOWN_LAYOUTS: tuple[KnownLayout, ...] = (
 #: TransformerLens's own loader of Hugging Face checkpoints into ``HookedTransformer`` (config
 #: conversion, weight conversion), TransformerLens 2.x and 3.x.
 HOOKED_LOADING_MODULE = "transformer_lens.loading_from_pretrained"
+
+#: The module ``HookedTransformer.generate`` calls ``utils.get_attention_mask`` through
+#: (TransformerLens 2.x and 3.x; 3.0 defines it in ``utilities.tokenize_utils`` and re-exports it).
+#: Its calls on a placeholder of zeros are answered once per ``generate`` where that placeholder
+#: exists (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`; :mod:`safelens_tl.hooked_zeros_mask`).
+HOOKED_UTILS_MODULE = "transformer_lens.utils"
 
 #: HookedTransformer's attention base (TransformerLens 2.x and 3.x): its ALiBi layers get their
 #: bias sized to each forward (:mod:`safelens_tl.hooked_alibi`).
@@ -252,6 +259,14 @@ def optional_class(dotted: str) -> type | None:
     except (ImportError, AttributeError):
         return None
     return found if isinstance(found, type) else None
+
+
+def optional_module(name: str) -> ModuleType | None:
+    """The module ``name``, or ``None`` when this release does not have it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def locate_bridge() -> BridgeLayout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import random
 import threading
+import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,8 +27,9 @@ ROUNDS = 20
 EPOCHS = 6
 
 
-def _resolve(target: str) -> tuple[type, str]:
-    """``module.Class.attribute`` -> (the class, the attribute name)."""
+def _resolve(target: str) -> tuple[Any, str]:
+    """``module.Class.attribute`` -> (the class, the attribute name); ``module.function`` ->
+    (the module, the function's name)."""
     owner_path, attribute = target.rsplit(".", 1)
     module_path, qualname = owner_path, ""
     while True:
@@ -38,13 +40,13 @@ def _resolve(target: str) -> tuple[type, str]:
             module_path, _, head = module_path.rpartition(".")
             qualname = f"{head}.{qualname}".rstrip(".")
     owner: Any = module
-    for part in qualname.split("."):
+    for part in qualname.split(".") if qualname else ():
         owner = getattr(owner, part)
-    assert isinstance(owner, type)
+    assert isinstance(owner, (type, types.ModuleType))
     return owner, attribute
 
 
-def _patched_targets() -> tuple[dict[str, tuple[type, str]], dict[str, object]]:
+def _patched_targets() -> tuple[dict[str, tuple[Any, str]], dict[str, object]]:
     """Activate once to learn what is patched; return the targets and their exact originals."""
     safelens_tl.deactivate()
     stock = {}
@@ -57,7 +59,7 @@ def _patched_targets() -> tuple[dict[str, tuple[type, str]], dict[str, object]]:
     return targets, stock
 
 
-def _assert_consistent(targets: dict[str, tuple[type, str]], stock: dict[str, object]) -> None:
+def _assert_consistent(targets: dict[str, tuple[Any, str]], stock: dict[str, object]) -> None:
     """is_active() and status() agree with what the classes hold, attribute by attribute."""
     active = safelens_tl.is_active()
     report = safelens_tl.status()
