@@ -41,6 +41,34 @@ requires_hooked_transformer = pytest.mark.skipif(
 )
 
 
+_tiny_models: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def tiny_model(name: str, dtype: torch.dtype = torch.float32) -> Any:
+    """A built-in model of the verifier (``gpt2-like``, ``llama-like-gqa``), built once per test
+    run and shared: a test that changes it (its tokenizer, hooks) puts it back."""
+    if (name, dtype) not in _tiny_models:
+        from safelens_tl.verify.models import build_model
+
+        _tiny_models[name, dtype] = build_model(name, dtype)
+    return _tiny_models[name, dtype]
+
+
+def generate_recording(
+    model: Any, prompt: Any, max_new_tokens: int, **options: Any
+) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Greedy ``generate``'s result and every hook's activation, in the order the hooks ran."""
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def record(activation: torch.Tensor, hook: Any) -> None:
+        seen.append((hook.name, activation.detach().clone()))
+
+    settings = {"do_sample": False, "verbose": False, **options}
+    with model.hooks(fwd_hooks=[(lambda name: True, record)]):
+        result = model.generate(prompt, max_new_tokens=max_new_tokens, **settings)
+    return result, seen
+
+
 @contextlib.contextmanager
 def stock_with_positions(model: Any) -> Iterator[None]:
     """Stock ``generate`` as the release runs it for a tokenizer whose pad token id is not 0.

@@ -15,21 +15,12 @@ import torch
 import safelens_tl
 from safelens_tl import hooked_generate_mask, kv_cache, targets
 from safelens_tl.verify import checks
-from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer
+from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer, tiny_model
 
 pytestmark = requires_hooked_transformer
 
 PROMPTS = list(checks.PROMPTS)  # 4 and 10 tokens with the BOS
 NEW = 6
-_models: dict[str, Any] = {}
-
-
-def _model(name: str) -> Any:
-    if name not in _models:
-        from safelens_tl.verify.models import build_model
-
-        _models[name] = build_model(name, torch.float32)
-    return _models[name]
 
 
 def _generate(model: Any, prompt: Any, **options: Any) -> Any:
@@ -45,7 +36,7 @@ def test_a_batch_of_texts_generates_what_each_prompt_generates_alone(
 ) -> None:
     """Stock 2.13-3.0.0 gives the shorter prompt other text in the batch than alone, whichever
     side it pads."""
-    model = _model(name)
+    model = tiny_model(name)
     options = {"use_past_kv_cache": cached, "padding_side": padding_side}
     alone = [_generate(model, prompt, **options) for prompt in PROMPTS]
     assert _generate(model, PROMPTS, **options) == alone
@@ -58,7 +49,7 @@ def test_tokens_come_back_as_a_masked_batch_lays_them_out(
     """Prompts left-padded with the pad token, each generation after its prompt, a row that
     stopped at EOS filled up with it: TransformerLens 3.1's layout, expected here from each prompt
     generated alone."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     options: dict[str, Any] = {"return_type": "tokens", "use_past_kv_cache": True}
     if stops_early:
         # A token the short prompt generates at its third step ends that row there.
@@ -93,7 +84,7 @@ def test_a_padded_batch_is_generated_as_one_batch(
 ) -> None:
     """Three prompts, two of one length: one cached generation (one cache), each row what its
     prompt gives alone, in the prompts' order."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     prompts = [PROMPTS[0], PROMPTS[1], "the dog runs"]
     options = {"return_type": return_type, "use_past_kv_cache": True, "stop_at_eos": False}
     caches: list[Any] = []
@@ -118,7 +109,7 @@ def test_token_rows_padded_on_the_tokenizer_s_side_are_masked(
 ) -> None:
     """A tensor of left-padded rows, the tokenizer padding on the left: its padding is masked
     as 3.1 masks it (stock 2.13-3.0.0 attends to it)."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     side = model.tokenizer.padding_side
     model.tokenizer.padding_side = "left"
     try:
@@ -139,7 +130,7 @@ def test_a_list_is_tokenized_as_generate_tokenizes_it(
     """BOS as the call or the model's default says (here a model that prepends none by
     default, as Bloom): each row is its prompt's tokens alone, left-padded, then what it gives
     alone."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     default = model.cfg.default_prepend_bos
     model.cfg.default_prepend_bos = False
     options: dict[str, Any] = {"return_type": "tokens", "stop_at_eos": False}
@@ -160,7 +151,7 @@ def test_token_rows_padded_on_the_right_run_as_stock_runs_them(
 ) -> None:
     """They go on after their padding, masked (3.1) or not (2.13-3.0.0 stock): wrong either way,
     so safelens-tl changes nothing there."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     side = model.tokenizer.padding_side
     model.tokenizer.padding_side = "right"
     options = {"return_type": "tokens", "use_past_kv_cache": True, "stop_at_eos": False}
@@ -182,7 +173,7 @@ def test_embeddings_of_a_padded_batch_are_each_prompt_s(
     """``return_type="embeds"`` (which one call per length could not give back as one batch):
     the embeddings of each row's generated tokens are those its prompt generates alone, with no
     warning."""
-    model = _model("gpt2-like")
+    model = tiny_model("gpt2-like")
     options = {"return_type": "embeds", "use_past_kv_cache": True, "stop_at_eos": False}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -198,7 +189,7 @@ def test_output_logits_of_a_padded_batch_are_each_prompt_s(
 ) -> None:
     """``output_logits=True`` (TransformerLens 3.0 on): every step's
     logits of each row are what its prompt gives alone."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     if "generation_kwargs" not in inspect.signature(model.generate).parameters:
         pytest.skip(f"TransformerLens {RELEASE}'s generate has no generation_kwargs")
 
@@ -221,7 +212,7 @@ def test_prompts_of_one_length_and_one_prompt_generate_as_alone(
     patched: safelens_tl.activation.Status,
 ) -> None:
     """Nothing to mask: one batched call, whose rows match the prompts alone."""
-    model = _model("gpt2-like")
+    model = tiny_model("gpt2-like")
     same_length = ["the cat runs", "the dog runs"]
     assert len({int(model.to_tokens(p).shape[1]) for p in same_length}) == 1
     options = {"return_type": "tokens", "use_past_kv_cache": True, "stop_at_eos": False}
@@ -235,7 +226,7 @@ def test_prompts_of_one_length_and_one_prompt_generate_as_alone(
 def test_calls_outside_generate_keep_their_mask(patched: safelens_tl.activation.Status) -> None:
     """``forward`` from a residual without a mask, as ``generate`` calls it, is unmasked outside
     ``generate``: the wrapper adds nothing there, nor after a ``generate`` that failed."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     tokens = model.to_tokens(PROMPTS, padding_side="left")
     residual, _ = model.get_residual(model.embed(tokens), 0)
     unmasked = model(residual, start_at_layer=0)

@@ -15,7 +15,13 @@ import torch
 import safelens_tl
 from safelens_tl import hooked_generate_ones_mask, targets
 from safelens_tl.verify import checks
-from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer
+from tests.conftest import (
+    LAYOUT,
+    RELEASE,
+    generate_recording,
+    requires_hooked_transformer,
+    tiny_model,
+)
 
 pytestmark = requires_hooked_transformer
 
@@ -24,28 +30,6 @@ passes_its_mask = pytest.mark.skipif(
     reason=f"TransformerLens {RELEASE}'s generate passes no all-ones mask to forward",
 )
 NEW = 6
-_models: dict[tuple[str, torch.dtype], Any] = {}
-
-
-def _model(name: str, dtype: torch.dtype) -> Any:
-    if (name, dtype) not in _models:
-        from safelens_tl.verify.models import build_model
-
-        _models[name, dtype] = build_model(name, dtype)
-    return _models[name, dtype]
-
-
-def _generate_recording(model: Any, prompt: Any, **options: Any) -> tuple[Any, list[Any]]:
-    """``generate``'s result and every hook's activation, in the order the hooks ran."""
-    seen: list[tuple[str, torch.Tensor]] = []
-
-    def record(activation: torch.Tensor, hook: Any) -> None:
-        seen.append((hook.name, activation.detach().clone()))
-
-    settings = {"max_new_tokens": NEW, "do_sample": False, "verbose": False, **options}
-    with model.hooks(fwd_hooks=[(lambda name: True, record)]):
-        result = model.generate(prompt, **settings)
-    return result, seen
 
 
 @pytest.fixture
@@ -66,12 +50,12 @@ def test_tokens_logits_and_every_activation_are_stock_s_bitwise(
 ) -> None:
     """One prompt and prompts of one length: the same tokens, step logits and activations of
     every hook point (rotary queries and keys, attention scores and pattern included)."""
-    model = _model(name, dtype)
+    model = tiny_model(name, dtype)
     for prompt in (checks.PROMPTS[1], ["the cat runs", "the dog runs"]):
         options = {"use_past_kv_cache": cached, "return_type": "tokens", "output_logits": True}
-        stock, stock_seen = _generate_recording(model, prompt, **options)
+        stock, stock_seen = generate_recording(model, prompt, NEW, **options)
         safelens_tl.activate()
-        ours, ours_seen = _generate_recording(model, prompt, **options)
+        ours, ours_seen = generate_recording(model, prompt, NEW, **options)
         safelens_tl.deactivate()
         assert torch.equal(ours.sequences, stock.sequences)
         assert all(torch.equal(a, b) for a, b in zip(ours.logits, stock.logits, strict=True))
@@ -106,7 +90,7 @@ def _masks_reaching_attention(
 def test_the_mask_is_left_out_only_where_it_is_all_ones(
     patched: safelens_tl.activation.Status, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model("llama-like-gqa", torch.float32)
+    model = tiny_model("llama-like-gqa", torch.float32)
     assert not any(_masks_reaching_attention(model, checks.PROMPTS[1], monkeypatch))
     padded = _masks_reaching_attention(model, list(checks.PROMPTS), monkeypatch)
     assert padded and all(padded)
@@ -118,7 +102,7 @@ def test_a_forward_call_with_its_own_mask_inside_generate_keeps_it(
 ) -> None:
     """Only ``generate``'s own mask object is left out: a hook that runs ``forward`` from a
     residual with a mask of its own (here one that hides the first position) gets it applied."""
-    model = _model("llama-like-gqa", torch.float32)
+    model = tiny_model("llama-like-gqa", torch.float32)
     tokens = model.to_tokens(checks.PROMPTS[1])
     residual, _ = model.get_residual(model.embed(tokens), 0)
     own_mask = torch.ones_like(tokens)

@@ -19,8 +19,8 @@ import safelens_tl
 from safelens_tl import hooked_zeros_mask, targets
 from safelens_tl.hooked_zeros_mask import ZerosAnswer
 from safelens_tl.verify import checks
-from safelens_tl.verify.models import build_model, load_tokenizer
-from tests.conftest import RELEASE, requires_hooked_transformer
+from safelens_tl.verify.models import load_tokenizer
+from tests.conftest import RELEASE, generate_recording, requires_hooked_transformer, tiny_model
 
 UTILS = targets.optional_module(targets.HOOKED_UTILS_MODULE)
 _MASK = None if UTILS is None else getattr(UTILS, "get_attention_mask", None)
@@ -35,13 +35,6 @@ builds_zeros = pytest.mark.skipif(
     reason=f"TransformerLens {RELEASE}'s generate builds no mask of zeros",
 )
 NEW = 6
-_models: dict[str, Any] = {}
-
-
-def _model(name: str) -> Any:
-    if name not in _models:
-        _models[name] = build_model(name, torch.float32)
-    return _models[name]
 
 
 def _tokenizer(pad_is_zero: bool, bos_is_pad: bool, side: str) -> Any:
@@ -124,7 +117,7 @@ def _counting_original() -> Iterator[list[tuple[int, ...]]]:
 def test_generate_computes_the_mask_of_zeros_once_instead_of_at_every_step(cached: bool) -> None:
     """Stock calls ``get_attention_mask`` at each of the ``NEW`` steps; patched, once (for a
     one-token prompt, on two positions of zeros: one position cannot show a kept BOS)."""
-    model = _model("llama-like-gqa")
+    model = tiny_model("llama-like-gqa")
     options = {"max_new_tokens": NEW, "do_sample": False, "verbose": False}
     prompt = model.to_tokens(checks.PROMPTS[1])
     with _counting_original() as shapes:
@@ -138,19 +131,6 @@ def test_generate_computes_the_mask_of_zeros_once_instead_of_at_every_step(cache
         model.generate(prompt[:, :1], use_past_kv_cache=cached, **options)
         assert shapes == [(1, 2)]
     assert torch.equal(ours, stock)
-
-
-def _generate_recording(model: Any, prompt: Any, **options: Any) -> tuple[Any, list[Any]]:
-    """``generate``'s result and every hook's activation, in the order the hooks ran."""
-    seen: list[tuple[str, torch.Tensor]] = []
-
-    def record(activation: torch.Tensor, hook: Any) -> None:
-        seen.append((hook.name, activation.detach().clone()))
-
-    settings = {"max_new_tokens": NEW, "do_sample": False, "verbose": False, **options}
-    with model.hooks(fwd_hooks=[(lambda name: True, record)]):
-        result = model.generate(prompt, **settings)
-    return result, seen
 
 
 @contextlib.contextmanager
@@ -178,17 +158,17 @@ def test_tokens_logits_and_every_activation_are_those_of_the_original_mask(
     activations of every hook (the final norm's, which the logits are computed from, included),
     bitwise, for one prompt, a padded batch and one token."""
     assert UTILS is not None
-    model = _model(name)
+    model = tiny_model(name)
     wrapper = UTILS.get_attention_mask
     assert wrapper is not ORIGINAL
     prompts = (checks.PROMPTS[1], ["the cat", "the dog runs far away"], "the")
     with _bos_is_pad_zero(model, bos_is_pad):
         for prompt in prompts:
             options = {"use_past_kv_cache": cached, "return_type": "tokens"}
-            ours, ours_seen = _generate_recording(model, prompt, **options)
+            ours, ours_seen = generate_recording(model, prompt, NEW, **options)
             UTILS.get_attention_mask = ORIGINAL
             try:
-                theirs, theirs_seen = _generate_recording(model, prompt, **options)
+                theirs, theirs_seen = generate_recording(model, prompt, NEW, **options)
             finally:
                 UTILS.get_attention_mask = wrapper
             assert torch.equal(ours, theirs)
