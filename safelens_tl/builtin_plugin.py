@@ -41,8 +41,8 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
     step mask of ``generate``'s ``get_residual``/``forward`` calls (2.13-3.0.0: built from the
     prompts as 3.1 builds it, so that a padded batch is masked and learned positions are kept
     where the pad token id is 0, and its mask of zeros computed once per ``generate``; 3.1-3.9:
-    left out of ``forward`` where it is all ones), and the
-    construction of ALiBi attention and mixture-of-experts layers, where the release has them.
+    left out of ``forward`` where it is all ones), and the construction of ALiBi attention and
+    mixture-of-experts layers, where the release has them.
     """
     entry, cache = layout.entry_class, layout.cache_class
     patches = [

@@ -67,9 +67,10 @@ class ZerosAnswer:
             self.tokenizer, self.prepend_bos, self.value = tokenizer, prepend_bos, int(mask[0, 0])
         if probe is tokens:
             return mask
-        if self.value is not None:
-            return torch.full_like(tokens, self.value)
-        return get_attention_mask(tokenizer, tokens, prepend_bos)
+        # A one-token prompt: its own answer, built from the probe's or asked for.
+        if self.value is None:
+            return get_attention_mask(tokenizer, tokens, prepend_bos)
+        return torch.full_like(tokens, self.value)
 
 
 #: The record of the patched ``generate`` running in this context; ``None`` outside one.
