@@ -640,6 +640,124 @@ def bench_generate(
         )
 
 
+def _short_only(sizes: Sizes, short: bool) -> Sizes:
+    """``sizes`` with only the short generations (``short``) or only the long one."""
+    chosen = tuple(size for size in sizes.generations if (size[0] != "long") == short)
+    return replace(sizes, generations=chosen)
+
+
+#: Untimed generations a fresh process runs first: the first call pays for lazy set-up, and
+#: Python specializes its bytecode over the next few calls.
+PROCESS_WARM_UPS = 3
+
+
+def generate_child(variant: str, sizes: Sizes, clock: str, short_model_name: str) -> None:
+    """Print (JSON) each short generation's seconds, fewest and median of its rounds, measured in
+    this fresh process with safelens-tl active throughout (``variant`` "patched") or never.
+
+    Nothing is switched on or off while timing, as in a user's process.
+    """
+    from safelens_tl.verify.models import build_model
+
+    rows = []
+    with patched(variant == "patched"):
+        model = build_model(short_model_name, torch.float32, DEVICE)
+        for label, prompt, new, batch, rounds in _short_only(sizes, short=True).generations:
+            tokens = _tokens(model, prompt, batch)
+            for _ in range(PROCESS_WARM_UPS):
+                greedy_generate(model, tokens, new)
+            seconds = []
+            for _ in range(rounds):
+                gc.collect()
+                start = CLOCKS[clock]()
+                greedy_generate(model, tokens, new)
+                seconds.append(CLOCKS[clock]() - start)
+            row = {"context": label, "prompt": prompt, "new": new, "batch": batch}
+            rows.append({**row, "best": min(seconds), "median": statistics.median(seconds)})
+    print(json.dumps(rows))
+
+
+#: The processes of one pair, in :func:`round_order`: stock against itself is the noise.
+PROCESS_VARIANTS = ("stock", "patched", "stock again")
+
+
+def combine_processes(
+    per_pair: list[dict[str, list[dict[str, Any]]]], rounds: dict[str, int], clock: str
+) -> list[dict[str, Any]]:
+    """The ``generate`` rows of pairs of processes, one per variant of :data:`PROCESS_VARIANTS`
+    each (:func:`generate_child`'s rows by variant, ``rounds`` by generation).
+
+    A pair's ratio is stock's median seconds over patched's; a row gives the median over pairs
+    and its 95% interval (:func:`median_interval`); tokens per second are the best seen.
+    """
+    if not per_pair:
+        raise ValueError("combine_processes: expected at least one pair of processes")
+    rows = []
+    for index, row in enumerate(per_pair[0]["stock"]):
+        label = row["context"]
+        runs = {name: [pair[name][index] for pair in per_pair] for name in PROCESS_VARIANTS}
+        if any(run["context"] != label for each in runs.values() for run in each):
+            raise ValueError(f"combine_processes: expected every process to measure {label!r}")
+        medians = {name: [run["median"] for run in each] for name, each in runs.items()}
+        paired = [a / b for a, b in zip(medians["stock"], medians["patched"], strict=True)]
+        again = [a / b for a, b in zip(medians["stock"], medians["stock again"], strict=True)]
+        tokens = row["batch"] * row["new"]
+        combined = {key: row[key] for key in ("context", "prompt", "new", "batch")}
+        combined["stock"] = tokens / min(run["best"] for run in runs["stock"])
+        combined["patched"] = tokens / min(run["best"] for run in runs["patched"])
+        combined["rounds"] = rounds[label]
+        combined["paired"] = statistics.median(paired)
+        combined["paired_interval"] = median_interval(paired)
+        combined["stock_vs_stock"] = statistics.median(again)
+        combined["stock_vs_stock_interval"] = median_interval(again)
+        combined["clock"] = clock
+        combined["processes"] = len(per_pair)
+        combined["process_paired"] = paired
+        rows.append(combined)
+    return rows
+
+
+def bench_generate_in_processes(
+    sizes: Sizes,
+    results: Results,
+    child_options: list[str],
+    pairs: int,
+    clock: str = "wall",
+    short_model_name: str = "gpt2-like",
+) -> None:
+    """:func:`bench_generate`, its short generations measured in ``pairs`` of fresh processes,
+    one process per variant, one process at a time (``child_options``: this run's options for
+    them), combined by :func:`combine_processes`; the long generation in this process, as
+    without ``--processes``.
+
+    Why not in one process: switching the patches on or off changes TransformerLens's classes,
+    and Python's specialized bytecode falls back to its generic form each time, waiting longer
+    after each fall (up to 4,096 runs of an instruction in 3.11) before it specializes again.
+    After many switches, whichever variant the history hurts runs slower for hundreds of
+    generations: stock ran 1.4-1.9x slower after 200 switches (docs/performance.md,
+    thirty-fourth session).
+    """
+    from rich.console import Console
+    from rich.progress import track
+
+    env = {**os.environ, "SAFELENS_TL_AUTOPATCH": "0", "HF_HUB_OFFLINE": "1"}
+    per_pair: list[dict[str, list[dict[str, Any]]]] = []
+    progress = Console(stderr=True)  # stdout holds the tables
+    for index in track(range(pairs), "short generations, fresh processes", console=progress):
+        pair = {}
+        for name in round_order(list(PROCESS_VARIANTS), index):
+            variant = "patched" if name == "patched" else "stock"
+            command = [sys.executable, __file__, *child_options, "--generate-child", variant]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"a --generate-child process failed: {done.stderr[-2000:]}")
+            pair[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        per_pair.append(pair)
+    rounds = {size[0]: size[4] for size in sizes.generations}
+    results.generate.extend(combine_processes(per_pair, rounds, clock))
+    bench_generate(_short_only(sizes, short=False), results, clock, short_model_name)
+
+
 # Peak memory ------------------------------------------------------------------------------------
 
 
@@ -1035,15 +1153,19 @@ def report(results: Results) -> None:
     if results.generate:
         rounds = "/".join(str(int(row["rounds"])) for row in results.generate)
         clock = "CPU time" if results.generate[0].get("clock") == "cpu" else "wall clock"
-        table = Table(
-            title=f"generate, greedy, cached: tokens/s ({clock}), best of {rounds} rounds"
-        )
+        processes = max(int(row.get("processes", 1)) for row in results.generate)
+        title = f"generate, greedy, cached: tokens/s ({clock}), best of {rounds} rounds"
+        if processes > 1:
+            title += f"; short ones: medians over {processes} pairs of fresh processes"
+        table = Table(title=title)
         for column in ("context", "prompt+new", "batch", "stock", "patched", "patched/stock"):
             table.add_column(column, justify="right")
         table.add_column("median of pairs (95% CI)", justify="right")
         table.add_column("stock/stock (noise, 95% CI)", justify="right")
+        if processes > 1:
+            table.add_column("pairs: lowest-highest", justify="right")
         for run in results.generate:
-            table.add_row(
+            cells = [
                 str(run["context"]),
                 f"{int(run['prompt'])}+{int(run['new'])}",
                 str(int(run["batch"])),
@@ -1052,7 +1174,11 @@ def report(results: Results) -> None:
                 _ratio(run["patched"] / run["stock"]),
                 _with_interval(run["paired"], run["paired_interval"]),
                 _with_interval(run["stock_vs_stock"], run["stock_vs_stock_interval"]),
-            )
+            ]
+            if processes > 1:
+                each = run.get("process_paired")
+                cells.append(f"{min(each):.3f}x-{max(each):.3f}x" if each else "this process")
+            table.add_row(*cells)
         console.print(table)
     if results.memory:
         runs = int(results.memory[0]["runs"])
@@ -1183,7 +1309,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the verifier model of the short generations (default gpt2-like; llama-like-gqa "
         "is rotary)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure the short generations in N pairs of fresh processes, one variant each, "
+        "never switched (default 1: in this process, switching stock and patched)",
+    )
     parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--generate-child", choices=("stock", "patched"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global DEVICE
     try:
@@ -1201,6 +1336,8 @@ def main(argv: list[str] | None = None) -> int:
         variant, *numbers = args.memory_child
         memory_child(variant, *(int(n) for n in numbers))
         return 0
+    if args.processes < 1:
+        parser.error(f"--processes: expected at least 1; received {args.processes}")
     sections = SECTIONS
     if args.only:
         sections = tuple(name.strip() for name in args.only.split(",") if name.strip())
@@ -1212,6 +1349,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.short_rounds < 1:
             parser.error(f"--short-rounds: expected at least 1; received {args.short_rounds}")
         sizes = with_short_rounds(sizes, args.short_rounds)
+    if args.generate_child:
+        generate_child(args.generate_child, sizes, args.clock, args.short_model)
+        return 0
     layout = targets.locate()
     results = Results(machine=machine())
     hooked = layout.known.has_hooked_transformer
@@ -1225,6 +1365,21 @@ def main(argv: list[str] | None = None) -> int:
         "autocast": functools.partial(bench_autocast, sizes, results),
         "bridge": functools.partial(bench_bridge, sizes, results),
     }
+    if args.processes > 1:
+        child_options = ["--clock", args.clock, "--short-model", args.short_model]
+        child_options += ["--device", DEVICE, "--threads", str(torch.get_num_threads())]
+        child_options += ["--quick"] if args.quick else []
+        if args.short_rounds is not None:
+            child_options += ["--short-rounds", str(args.short_rounds)]
+        runners["generate"] = functools.partial(
+            bench_generate_in_processes,
+            sizes,
+            results,
+            child_options,
+            args.processes,
+            args.clock,
+            args.short_model,
+        )
     needs_hooked = {"instructions", "generate", "memory", "trace", "autocast"}
     skipped = [name for name in sections if name in needs_hooked and not hooked]
     if skipped:

@@ -162,6 +162,96 @@ def test_the_short_generations_run_on_the_chosen_model(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "--short-model" in refused.stderr
 
 
+def test_benchmark_refuses_zero_processes() -> None:
+    done = run_script("kv_cache.py", "--quick", "--only", "generate", "--processes", "0")
+    assert done.returncode == 2
+    assert "--processes: expected at least 1; received 0" in done.stderr
+
+
+@requires_hooked_transformer
+def test_processes_measure_the_short_generations_in_fresh_processes(tmp_path: Path) -> None:
+    """``--processes 2``: each short row is the median over two pairs of fresh processes; the
+    long row is measured once, in this process, as without the option."""
+    output = tmp_path / "generate.json"
+    done = run_script(
+        "kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "2",
+        "--processes", "2", "--json", str(output),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["context"]: row for row in json.loads(output.read_text())["generate"]}
+    assert list(rows) == ["short", "shortest", "long"]
+    for label in ("short", "shortest"):
+        row = rows[label]
+        assert row["processes"] == 2 and row["rounds"] == 2
+        low, high = sorted(row["process_paired"])
+        assert row["paired"] == pytest.approx((low + high) / 2)
+        assert row["paired_interval"] == [low, high]
+    assert "processes" not in rows["long"]
+    assert "medians over 2 pairs of fresh processes" in done.stdout
+
+
+@requires_hooked_transformer
+@pytest.mark.parametrize("variant", ["stock", "patched"])
+def test_a_generate_child_runs_one_variant_throughout(variant: str) -> None:
+    """A fresh process of ``--processes`` times every short generation with safelens-tl active
+    throughout (patched) or never (stock): the cache class it ends with tells which."""
+    code = (
+        "import sys; sys.argv[1:] = ['--quick', '--short-rounds', '3', '--generate-child', "
+        f"{variant!r}]; import kv_cache, safelens_tl\n"
+        "seen = []\n"
+        "original = kv_cache.greedy_generate\n"
+        "def spy(model, tokens, new):\n"
+        "    seen.append(safelens_tl.status().active)\n"
+        "    return original(model, tokens, new)\n"
+        "kv_cache.greedy_generate = spy\n"
+        "kv_cache.main(sys.argv[1:])\n"
+        "print(sorted(set(seen)), len(seen))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAFELENS_TL_AUTOPATCH": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    *_, measured, seen = done.stdout.strip().splitlines()
+    rows = json.loads(measured)
+    assert [row["context"] for row in rows] == ["short", "shortest"]
+    assert all(0 < row["best"] <= row["median"] for row in rows)
+    # Warm-ups and rounds of both generations, every one in the same state.
+    warm = benchmark_module("kv_cache").PROCESS_WARM_UPS
+    assert seen == f"[{variant == 'patched'}] {2 * (warm + 3)}"
+
+
+def _child_rows(context: str, median: float) -> list[dict[str, Any]]:
+    row = {"context": context, "prompt": 1, "new": 16, "batch": 1}
+    return [{**row, "best": median * 0.9, "median": median}]
+
+
+def test_pairs_of_processes_combine_into_the_median_over_pairs() -> None:
+    kv_cache = benchmark_module("kv_cache")
+    patched = [1.0, 0.5, 2.0, 1.0, 0.8]
+    per_pair = [
+        {
+            "stock": _child_rows("shortest", 1.0),
+            "patched": _child_rows("shortest", seconds),
+            "stock again": _child_rows("shortest", 1.0 + index / 10),
+        }
+        for index, seconds in enumerate(patched)
+    ]
+    (row,) = kv_cache.combine_processes(per_pair, {"shortest": 7}, "cpu")
+    # stock/patched per pair: 1.0, 2.0, 0.5, 1.0, 1.25
+    assert row["process_paired"] == [1.0, 2.0, 0.5, 1.0, 1.25]
+    assert row["paired"] == 1.0 and row["paired_interval"] == (0.5, 2.0)
+    assert row["stock_vs_stock"] == pytest.approx(1 / 1.2)
+    assert row["stock"] == pytest.approx(16 / 0.9) and row["patched"] == pytest.approx(16 / 0.45)
+    assert (row["processes"], row["rounds"], row["clock"]) == (5, 7, "cpu")
+    per_pair[1]["patched"] = _child_rows("short", 1.0)
+    with pytest.raises(ValueError, match="expected every process to measure 'shortest'"):
+        kv_cache.combine_processes(per_pair, {"shortest": 7}, "cpu")
+    with pytest.raises(ValueError, match="expected at least one pair of processes"):
+        kv_cache.combine_processes([], {}, "cpu")
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 def test_rounds_give_every_variant_every_place_equally_often(count: int) -> None:
     kv_cache = benchmark_module("kv_cache")
