@@ -3,7 +3,9 @@
 Run ``python benchmarks/kv_cache.py`` (full, a few minutes on 2 cores) or ``--quick`` (seconds, tiny
 sizes, for CI: checks that every measurement runs, not how fast). Stock and patched are measured in
 the same process by toggling ``safelens_tl.activate()``/``deactivate()``, alternating, best of
-several rounds; peak memory is measured in fresh subprocesses (see :func:`memory_child`).
+several rounds; peak memory is measured in fresh subprocesses (see :func:`memory_child`), and so
+are the short generations with ``--processes N`` (see :func:`bench_generate_in_processes`: the
+switching biases them).
 
 What is measured and how is explained in docs/performance.md.
 """
