@@ -702,7 +702,7 @@ def combine_processes(
             raise ValueError(f"combine_processes: expected every process to measure {label!r}")
         medians = {name: [run["median"] for run in each] for name, each in runs.items()}
         paired = [a / b for a, b in zip(medians["stock"], medians["patched"], strict=True)]
-        again = [a / b for a, b in zip(medians["stock"], medians["stock again"], strict=True)]
+        again, again_interval = paired_median(medians["stock"], medians["stock again"])
         tokens = row["batch"] * row["new"]
         combined = {key: row[key] for key in ("context", "prompt", "new", "batch")}
         combined["stock"] = tokens / min(run["best"] for run in runs["stock"])
@@ -710,8 +710,8 @@ def combine_processes(
         combined["rounds"] = rounds[label]
         combined["paired"] = statistics.median(paired)
         combined["paired_interval"] = median_interval(paired)
-        combined["stock_vs_stock"] = statistics.median(again)
-        combined["stock_vs_stock_interval"] = median_interval(again)
+        combined["stock_vs_stock"] = again
+        combined["stock_vs_stock_interval"] = again_interval
         combined["clock"] = clock
         combined["processes"] = len(per_pair)
         combined["process_paired"] = paired
