@@ -6,15 +6,19 @@ executes moves by a few hundredths of a percent (see below), so it tells whether
 path does more or less work than stock, without the noise. It does not see cache misses or
 memory bandwidth, which the wall-clock tables do.
 
-How: a child process runs under valgrind's callgrind tool with counting off; around each
+How: one child process per variant runs under valgrind's callgrind tool with counting off. The
+stock child never activates safelens-tl; the patched child activates it once, before it builds the
+model, as auto-activation does. Neither switches afterwards: switching changes TransformerLens's
+classes, and Python's specialized bytecode then runs its generic form for a while, more
+instructions for whichever variant the history hurts (up to 0.3% here when this script used to
+switch around every count; docs/performance.md, thirty-fourth session). Each child runs
+:data:`WARM_UPS` uncounted generations of each shape, then counts ``rounds`` of them: around each
 ``generate`` (nothing else) a tiny C helper, compiled on the spot against ``valgrind/callgrind.h``,
 turns counting on and writes the count under a label. Only the main thread is counted (TL's
 progress-bar thread is switched off), less what it spent spinning on a lock (:data:`SPIN`: an
-artefact of valgrind running one thread at a time, 0.3-1 million instructions in some rounds
-and not others). Stock and patched alternate, each counted ``rounds`` times after two warm-up
-calls, each count right after one uncounted run in the same state (the steady state of a user,
-who switches the patches on once); the table keeps each one's smallest count, and the spread
-between its rounds (0.1-0.4 million, at most 0.15%, on the machine of docs/performance.md).
+artefact of valgrind running one thread at a time, 0.3-1 million instructions in some rounds and
+not others). The two children run side by side (a count does not depend on the load); the table
+keeps each variant's smallest count, and the spread between its rounds.
 
 Needs ``valgrind`` with its headers (Debian: ``valgrind``) and a C compiler. Without them the
 section is skipped with a note. Under valgrind everything runs ~50x slower: a full run takes a few
@@ -36,7 +40,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 HELPER_SOURCE = r"""
 #include <valgrind/callgrind.h>
@@ -74,46 +78,71 @@ def build_helper(folder: Path) -> Path | str:
     return library
 
 
-def child(
-    helper: str, generations: Sequence[tuple[int, int]], rounds: int, model_name: str = MODEL
-) -> None:
-    """Under callgrind: count each generation, stock and patched, as ``variant|prompt+new``."""
-    import ctypes
+#: Uncounted generations of each shape in each child before its counted ones.
+WARM_UPS = 3
+#: One child process per variant; "patched" activates safelens-tl once, "stock" never.
+VARIANTS = ("stock", "patched")
 
+
+class Counter(Protocol):
+    """What :func:`count_generations` counts with: the helper's two functions."""
+
+    def safelens_count_start(self) -> Any:
+        """Zero the counts and start counting."""
+
+    def safelens_count_stop(self, label: bytes) -> Any:
+        """Stop counting and write the count under ``label``."""
+
+
+def count_generations(
+    counter: Counter,
+    variant: str,
+    generations: Sequence[tuple[int, int]],
+    rounds: int,
+    model_name: str = MODEL,
+) -> None:
+    """Count ``rounds`` generations of each shape as ``variant|prompt+new``, in one state
+    throughout: safelens-tl active from before the model is built (``variant`` "patched") or
+    never, as in a user's process."""
     import kv_cache  # the benchmark's own helpers; this script's folder is on sys.path
     import torch
-    import tqdm  # type: ignore[import-untyped]
 
     from safelens_tl.verify.models import build_model
+
+    if variant not in VARIANTS:
+        raise ValueError(f"count_generations: expected a variant in {VARIANTS}; got {variant!r}")
+    with kv_cache.patched(variant == "patched"):
+        model = build_model(model_name, torch.float32)
+        for prompt, new in generations:
+            tokens = kv_cache._tokens(model, prompt, 1)
+            for _ in range(WARM_UPS):
+                kv_cache.greedy_generate(model, tokens, new)
+            for _ in range(rounds):
+                gc.collect()
+                gc.disable()  # a collection inside one count and not another is noise
+                counter.safelens_count_start()
+                kv_cache.greedy_generate(model, tokens, new)
+                counter.safelens_count_stop(f"{variant}|{prompt}+{new}".encode())
+                gc.enable()
+
+
+def child(
+    helper: str,
+    variant: str,
+    generations: Sequence[tuple[int, int]],
+    rounds: int,
+    model_name: str = MODEL,
+) -> None:
+    """Under callgrind: :func:`count_generations` with the helper at ``helper``."""
+    import ctypes
+
+    import torch
+    import tqdm  # type: ignore[import-untyped]
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread
     sys.setswitchinterval(1000.0)  # no forced switches to other threads while counting
     torch.set_num_threads(1)
-    counter = ctypes.CDLL(helper)
-    model = build_model(model_name, torch.float32)
-    for prompt, new in generations:
-        tokens = kv_cache._tokens(model, prompt, 1)
-        for on in (False, True):
-            with kv_cache.patched(on):
-                kv_cache.greedy_generate(model, tokens, new)
-                kv_cache.greedy_generate(model, tokens, new)
-        for index in range(2 * rounds):
-            on = bool(index % 2) != bool(index // 2 % 2)  # stock, patched, patched, stock, ...
-            with kv_cache.patched(on):
-                # Switching patches on or off changes the classes, which sends Python's
-                # specialized bytecode back to its generic form for a while (about 75,000
-                # instructions here). A user installs the patches once, so each count follows
-                # one uncounted run in the same state; otherwise a stock run that follows a stock
-                # run (no switch) would be counted warm and every patched run cold.
-                kv_cache.greedy_generate(model, tokens, new)
-                gc.collect()
-                gc.disable()
-                counter.safelens_count_start()
-                kv_cache.greedy_generate(model, tokens, new)
-                counter.safelens_count_stop(
-                    f"{'patched' if on else 'stock'}|{prompt}+{new}".encode()
-                )
-                gc.enable()
+    count_generations(ctypes.CDLL(helper), variant, generations, rounds, model_name)
 
 
 #: Functions whose instructions are left out of each count: under valgrind, a thread handing over
@@ -179,10 +208,21 @@ def measure(
         env.setdefault("HF_HUB_OFFLINE", "1")
         command = ["valgrind", "--tool=callgrind", "--separate-threads=yes"]
         command += ["--instr-atstart=no", f"--callgrind-out-file={folder}/callgrind.out.%p"]
-        command += [sys.executable, __file__, "--child", str(helper), shapes, str(rounds), model]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-        if done.returncode != 0:
-            return [], f"valgrind exited with {done.returncode}: {done.stderr[-300:]}"
+        command += [sys.executable, __file__, "--child", str(helper)]
+        children = {
+            variant: subprocess.Popen(
+                [*command, variant, shapes, str(rounds), model],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for variant in VARIANTS
+        }
+        for variant, process in children.items():
+            _, stderr = process.communicate()
+            if process.returncode != 0:
+                return [], f"valgrind ({variant}) exited with {process.returncode}: {stderr[-300:]}"
         counts = _counts(folder)
     rows = []
     for prompt, new in generations:
@@ -235,12 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         default=MODEL,
         help=f"a verifier model: {MODEL} (learned positions) or llama-like-gqa (rotary)",
     )
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        helper, shapes, rounds, model = args.child
+        helper, variant, shapes, rounds, model = args.child
         pairs = [tuple(int(n) for n in shape.split("+")) for shape in shapes.split(",")]
-        child(helper, [(prompt, new) for prompt, new in pairs], int(rounds), model)
+        child(helper, variant, [(prompt, new) for prompt, new in pairs], int(rounds), model)
         return 0
     from rich.console import Console
 

@@ -324,6 +324,54 @@ def test_instruction_counts_count_both_variants() -> None:
     assert 0.9 < row["stock"] / row["patched"] < 1.1, row
 
 
+class _StateRecorder:
+    """Stands in for the callgrind helper, which exists only under valgrind: records whether
+    safelens-tl was active at each count's start, and each count's label."""
+
+    def __init__(self) -> None:
+        self.counted: list[tuple[bool, bytes]] = []
+        self.active_at_start: bool | None = None
+
+    def safelens_count_start(self) -> None:
+        self.active_at_start = safelens_tl.status().active
+
+    def safelens_count_stop(self, label: bytes) -> None:
+        assert self.active_at_start is not None, "stop without start"
+        self.counted.append((self.active_at_start, label))
+        self.active_at_start = None
+
+
+@requires_hooked_transformer
+@pytest.mark.parametrize("variant", ["stock", "patched"])
+def test_an_instruction_count_child_keeps_one_state_throughout(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each child counts one variant, never switching: every warm-up and counted generation
+    runs in the same state, with the model built in it (switching biased the counts)."""
+    kv_cache = benchmark_module("kv_cache")
+    instruction_counts = benchmark_module("instruction_counts")
+    seen: list[bool] = []
+    original = kv_cache.greedy_generate
+
+    def spy(model: Any, tokens: torch.Tensor, new: int) -> torch.Tensor:
+        seen.append(safelens_tl.status().active)
+        return original(model, tokens, new)
+
+    monkeypatch.setattr(kv_cache, "greedy_generate", spy)
+    recorder = _StateRecorder()
+    instruction_counts.count_generations(recorder, variant, [(1, 2), (2, 1)], rounds=2)
+    on = variant == "patched"
+    assert seen == [on] * 2 * (instruction_counts.WARM_UPS + 2)
+    labels = [f"{variant}|{shape}".encode() for shape in ("1+2", "1+2", "2+1", "2+1")]
+    assert recorder.counted == [(on, label) for label in labels]
+
+
+def test_an_instruction_count_child_refuses_an_unknown_variant() -> None:
+    instruction_counts = benchmark_module("instruction_counts")
+    with pytest.raises(ValueError, match="expected a variant in"):
+        instruction_counts.count_generations(_StateRecorder(), "both", [(1, 2)], rounds=1)
+
+
 def test_spin_instructions_are_read_from_a_callgrind_dump() -> None:
     """What is left out of each count: a function's own cost lines, not the calls it makes."""
     instruction_counts = benchmark_module("instruction_counts")
