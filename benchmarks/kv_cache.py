@@ -584,8 +584,8 @@ def time_generate(
     ``warm``: run the same generation once untimed first. Switching the patches on or off
     changes TransformerLens's classes, which sends Python's specialized bytecode back to its
     generic form for a while (docs/performance.md, thirty-fourth session); a user switches
-    once, so only the steady state is timed. Worth
-    it where that is a visible share: short generations.
+    once, so only the steady state is timed. Worth it where that is a visible share: short
+    generations.
     """
     with patched(on):
         if warm:
