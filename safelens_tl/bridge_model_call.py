@@ -11,7 +11,9 @@ adaptation is a no-op unless its mismatch arrives:
 - positions of a cached step of a multimodal-rotary model (Qwen-VL) cut to the step's tokens
   (:mod:`safelens_tl.bridge_mrope_positions`);
 - the image (or sound) of an uncached ``generate`` at every step, not only the prompt's
-  (:mod:`safelens_tl.bridge_uncached_media`).
+  (:mod:`safelens_tl.bridge_uncached_media`);
+- on 3.0-3.7, the mask and positions of a padded batch of prompts that a patched ``generate``
+  runs (:mod:`safelens_tl.bridge_generate_batch`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from safelens_tl import (
     bridge_cache,
+    bridge_generate_batch,
     bridge_mrope_positions,
     bridge_positions,
     bridge_uncached_media,
@@ -46,6 +49,7 @@ def adapting_model_call(
             bridge_positions.add_positions_from_cache_position(args, kwargs, type(model))
             bridge_mrope_positions.fit_step_positions(model)
             bridge_uncached_media.restore_media(args, kwargs)
+            bridge_generate_batch.mask_the_step(self, args, kwargs)
         return original(self, *args, **kwargs)
 
     return forward

@@ -225,13 +225,13 @@ def _generate_wrapper(generate: Callable[..., Any]) -> Callable[..., Any]:
     """``TransformerBridge.generate`` with its fixes: media at every uncached step, a
     state-space model's options kept for its fallback to ``hf_generate``, and, where the release
     uses no attention mask (TransformerLens 3.0-3.7), text prompts of different lengths
-    generated one batch per token count."""
+    generated as one left-padded, masked batch."""
     wrappers: list[_Wrapper] = [
         bridge_stateful_generate.recording_generate_options,
         bridge_uncached_media.passing_media_at_every_step,
     ]
     if bridge_hf_generate_mask.drops_the_attention_mask(generate):
-        wrappers.insert(0, bridge_generate_batch.generating_each_length_apart)
+        wrappers.insert(0, bridge_generate_batch.generating_padded_batch)
     return _composed(generate, *wrappers)
 
 

@@ -20,7 +20,9 @@ and passes the mask, extended with ones for the generated tokens, to both calls.
 prompts' mask as 3.1 does and marks the model in a :class:`~contextvars.ContextVar`:
 
 - a list of two or more texts is tokenized once, padded on the left, and handed to the original
-  as tokens (texts still come back as texts);
+  as tokens (texts still come back as texts); its mask counts each prompt's own tokens
+  (:func:`safelens_tl.prompt_batches.mask_from_lengths`), so a BOS that is also the pad token
+  (GPT-2's tokenizer) is never taken for padding;
 - a tensor of two or more token rows, when the tokenizer pads on the left, gets the mask of each
   row's leading padding. Rows padded on the right go on after their padding, which 3.1's mask
   does not make right either, so they run as stock runs them.
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from safelens_tl.generate_alone import RETURNS_TEXT
+from safelens_tl.prompt_batches import RETURNS_TEXT, mask_from_lengths
 
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
 LEARNED_POSITIONS = ("standard", "shortformer")
@@ -123,12 +125,22 @@ def left_padding_mask(tokens: torch.Tensor, tokenizer: Any, prepend_bos: bool) -
 
 
 def _prepend_bos(model: Any, given: Any) -> bool:
-    """``generate``'s ``prepend_bos`` argument as 3.1 resolves it for the mask."""
-    if given is None:
-        return False
+    """``generate``'s ``prepend_bos`` argument as 3.1 resolves it for the mask: ``None`` is
+    TransformerLens's ``USE_DEFAULT_VALUE`` (``generate``'s default), so it means
+    ``cfg.default_prepend_bos``, not False. Read as False, the BOS of a tokenizer whose BOS is its
+    pad token (GPT-2's) would be masked as padding in every row."""
     if isinstance(given, bool):
         return given
-    return bool(model.cfg.default_prepend_bos)  # USE_DEFAULT_VALUE
+    return bool(model.cfg.default_prepend_bos)
+
+
+def prompts_mask(
+    model: Any, prompts: list[str], tokens: torch.Tensor, prepend_bos: Any
+) -> torch.Tensor:
+    """The padding mask of ``tokens``, the left-padded tokens of ``prompts``, from each prompt's
+    own token count (:func:`safelens_tl.prompt_batches.mask_from_lengths`)."""
+    lengths = [int(model.to_tokens(p, prepend_bos=prepend_bos).shape[-1]) for p in prompts]
+    return mask_from_lengths(lengths, int(tokens.shape[-1]), tokens)
 
 
 def _prompts_mask(
@@ -146,7 +158,7 @@ def _prompts_mask(
         if not all(isinstance(prompt, str) for prompt in given):
             return None
         tokens = model.to_tokens(given, prepend_bos=prepend_bos, padding_side="left")
-        return tokens, left_padding_mask(tokens, tokenizer, _prepend_bos(model, prepend_bos))
+        return tokens, prompts_mask(model, given, tokens, prepend_bos)
     if isinstance(given, torch.Tensor) and tokenizer.padding_side == "left":
         # Rows padded on the right go on after their padding, masked (3.1) or not (stock): wrong
         # either way, so they are left as stock runs them.

@@ -1,7 +1,8 @@
 """``TransformerBridge.generate`` on text prompts of different lengths gives each prompt the text
-it gets alone, where TransformerLens's own uses no attention mask (3.0 to 3.7:
-:mod:`safelens_tl.bridge_generate_batch`). Real bridges on the sweep's tiny checkpoints; on
-releases with a mask the same assertions hold of the original method."""
+it gets alone, and hooks see the batch as it was passed, where TransformerLens's own uses no
+attention mask (3.0 to 3.7: :mod:`safelens_tl.bridge_generate_batch`). Real bridges on the
+sweep's tiny checkpoints; on releases with a mask the same assertions hold of the original
+method, and the stock halves are skipped there."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 
 import safelens_tl
 from safelens_tl import bridge_generate_batch, bridge_hf_generate_mask, targets
@@ -17,8 +19,10 @@ from tests.conftest import architecture_folder, benchmark_module, requires_bridg
 
 pytestmark = requires_bridge
 
-PROMPTS = ["the cat runs", "a big old dog sleeps in the quiet house"]
-GREEDY = {"max_new_tokens": 6, "do_sample": False, "stop_at_eos": False, "verbose": False}
+PROMPTS = ["the cat runs in the river and", "a dog", "the big bird"]
+GREEDY = {"max_new_tokens": 5, "do_sample": False, "stop_at_eos": False, "verbose": False}
+HOOK = "blocks.0.hook_resid_post"
+ARCHITECTURES = ["LlamaForCausalLM", "GPT2LMHeadModel"]
 
 
 def _maskless_release() -> bool:
@@ -26,75 +30,127 @@ def _maskless_release() -> bool:
     return bridge_hf_generate_mask.drops_the_attention_mask(inspect.unwrap(generate))
 
 
-def _boot() -> Any:
-    folder = str(architecture_folder("LlamaForCausalLM"))
+def _boot(architecture: str = "LlamaForCausalLM") -> Any:
+    folder = str(architecture_folder(architecture))
     return benchmark_module("bridge_architectures").boot(folder)
 
 
+def _generate_seeing_batches(model: Any, prompts: Any, **options: Any) -> tuple[Any, list[int]]:
+    """``generate``'s result and the batch size of every forward, as a hook sees it."""
+    sizes: list[int] = []
+
+    def record(activation: torch.Tensor, hook: Any) -> torch.Tensor:
+        sizes.append(int(activation.shape[0]))
+        return activation
+
+    with model.hooks(fwd_hooks=[(HOOK, record)]):
+        result = model.generate(prompts, **{**GREEDY, **options})
+    return result, sizes
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
 def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(
-    cached: bool, patched: safelens_tl.activation.Status
+    architecture: str, cached: bool, patched: safelens_tl.activation.Status
 ) -> None:
-    """Decoded text, batch against one prompt at a time. On a release without the mask, stock
-    gives the shorter prompt other text in the batch than alone."""
-    model = _boot()
-    arguments = {**GREEDY, "use_past_kv_cache": cached}
-    alone = [model.generate(prompt, **arguments) for prompt in PROMPTS]
+    """Decoded text, batch against one prompt at a time, and one forward of the whole batch per
+    step as hooks see it."""
+    model = _boot(architecture)
+    options = {"use_past_kv_cache": cached}
+    alone = [model.generate(prompt, **GREEDY, **options) for prompt in PROMPTS]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # text back: no warning needed
-        assert model.generate(PROMPTS, **arguments) == alone
-    if not _maskless_release():
-        return
-    safelens_tl.deactivate()
-    try:
-        stock = _boot()
-        stock_alone = [stock.generate(prompt, **arguments) for prompt in PROMPTS]
-        stock_batch = stock.generate(PROMPTS, **arguments)
-    finally:
-        safelens_tl.activate()
-    assert stock_batch[0] != stock_alone[0] and stock_batch[1] == stock_alone[1], stock_batch
+        batch, sizes = _generate_seeing_batches(model, PROMPTS, **options)
+    assert batch == alone
+    assert sizes == [len(PROMPTS)] * GREEDY["max_new_tokens"], sizes
 
 
-def test_prompts_of_one_length_are_generated_as_one_batch(
-    patched: safelens_tl.activation.Status, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_stock_gives_the_shorter_prompts_other_text_with_the_same_view_to_hooks(
+    architecture: str,
 ) -> None:
-    """Three prompts, two of one token count: two calls of TransformerLens's ``generate`` where
-    it uses no mask (counted by its tokenizations of the input), one elsewhere; every text is
-    what its prompt gives alone, in the prompts' order."""
-    model = _boot()
-    prompts = [PROMPTS[0], PROMPTS[1], "the dog runs"]
-    counts = [len(model.tokenizer(prompt)["input_ids"]) for prompt in prompts]
-    assert counts[0] == counts[2] != counts[1], counts
-    alone = [model.generate(prompt, **GREEDY) for prompt in prompts]
-    calls: list[Any] = []
-    to_tokens = model.to_tokens
-    monkeypatch.setattr(
-        model, "to_tokens", lambda *a, **k: (calls.append(a[:1]), to_tokens(*a, **k))[1]
-    )
-    model.generate(prompts[0], **GREEDY)
-    per_generate = len(calls)
-    assert per_generate >= 1
-    calls.clear()
-    assert model.generate(prompts, **GREEDY) == alone
-    assert len(calls) == per_generate * (2 if _maskless_release() else 1), calls
+    """The stock half: on a release without the mask, the shorter prompts generate other text in
+    the batch than alone (uncached, where stock's cache is not in question), and hooks see one
+    forward of the whole batch per step, as patched shows them."""
+    if not _maskless_release():
+        pytest.skip("this TransformerBridge.generate masks a batch itself")
+    stock = _boot(architecture)
+    options = {"use_past_kv_cache": False}
+    alone = [stock.generate(prompt, **GREEDY, **options) for prompt in PROMPTS]
+    batch, sizes = _generate_seeing_batches(stock, PROMPTS, **options)
+    assert sizes == [len(PROMPTS)] * GREEDY["max_new_tokens"], sizes
+    assert batch[0] == alone[0]  # the longest prompt needs no padding
+    assert batch[1:] != alone[1:], batch
 
 
-def test_tokens_of_prompts_of_different_lengths_come_with_a_warning(
+def test_a_hook_on_one_row_changes_that_prompt_alone(
     patched: safelens_tl.activation.Status,
 ) -> None:
-    """Tokens cannot be returned one prompt at a time as one batch: the original runs, and on a
-    release without the mask a warning says why the shorter rows are wrong and what to do."""
+    """An intervention written for row 0 of the batch passed hits the first prompt only: the
+    other rows generate what they generate without the hook."""
+    model = _boot()
+    plain = model.generate(PROMPTS, **GREEDY)
+
+    def zero_row_0(activation: torch.Tensor, hook: Any) -> torch.Tensor:
+        activation[0] = activation[0] * 0.0
+        return activation
+
+    with model.hooks(fwd_hooks=[(HOOK, zero_row_0)]):
+        hit = model.generate(PROMPTS, **GREEDY)
+    assert hit[0] != plain[0]
+    assert hit[1:] == plain[1:]
+
+
+def test_a_steering_tensor_of_the_batch_size_broadcasts(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """A per-prompt tensor of the batch's size adds to the residual at every step (it would fail
+    to broadcast against a batch split by length)."""
+    model = _boot()
+    steering = torch.zeros(len(PROMPTS), 1, model.cfg.d_model)
+
+    def steer(activation: torch.Tensor, hook: Any) -> torch.Tensor:
+        return activation + steering.to(activation.dtype)
+
+    with model.hooks(fwd_hooks=[(HOOK, steer)]):
+        steered = model.generate(PROMPTS, **GREEDY)
+    assert steered == model.generate(PROMPTS, **GREEDY)
+
+
+def test_tokens_of_prompts_of_different_lengths_come_left_padded_without_a_warning(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """``return_type="tokens"``: one row per prompt, in order, each ending in what the prompt
+    generates alone, padded on the left as TransformerLens 3.8 returns them."""
+    model = _boot()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        tokens = model.generate(PROMPTS, return_type="tokens", **GREEDY)
+    assert tokens.shape[0] == len(PROMPTS)
+    for row, prompt in zip(tokens, PROMPTS, strict=True):
+        alone = model.generate(prompt, return_type="tokens", **GREEDY)[0]
+        assert torch.equal(row[-alone.shape[0] :], alone)
+
+
+def test_a_batch_that_cannot_be_masked_runs_as_stock_with_a_warning(
+    patched: safelens_tl.activation.Status, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the model cannot be given positions (standing in here: the detector answers no for
+    this Llama), the release's own generate runs, hooks see what stock shows them, and a warning
+    says what to do."""
+    if not _maskless_release():
+        pytest.skip("this TransformerBridge.generate masks a batch itself")
+    monkeypatch.setattr(bridge_generate_batch, "_takes_position_ids", lambda model: False)
     model = _boot()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tokens = model.generate(PROMPTS, return_type="tokens", **GREEDY)
-        model.generate(PROMPTS[:1] * 2, return_type="tokens", **GREEDY)  # one length: no warning
-    assert tokens.shape[0] == len(PROMPTS)
+        result, sizes = _generate_seeing_batches(model, PROMPTS, use_past_kv_cache=False)
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     ours = [m for m in messages if "uses no attention mask" in m]
-    assert len(ours) == (1 if _maskless_release() else 0), messages
-    if ours:
-        assert "return_type='str'" in ours[0] and "3.8" in ours[0]
+    assert len(ours) == 1 and "one at a time" in ours[0] and "3.8" in ours[0], messages
+    safelens_tl.deactivate()
+    stock_result, stock_sizes = _generate_seeing_batches(_boot(), PROMPTS, use_past_kv_cache=False)
+    assert (result, sizes) == (stock_result, stock_sizes)
 
 
 def test_the_wrapper_is_installed_exactly_where_generate_uses_no_mask(
@@ -109,5 +165,5 @@ def test_the_wrapper_is_installed_exactly_where_generate_uses_no_mask(
         files.append(layer.__code__.co_filename)
     ours = bridge_generate_batch.__file__
     assert (ours in files) == _maskless_release(), files
-    # generate_alone.batch_to_split looks for the prompts there before binding the arguments.
+    # generating_padded_batch looks for the prompts there before binding the arguments.
     assert list(inspect.signature(layer).parameters)[:2] == ["self", "input"]
