@@ -2,7 +2,8 @@
 each run stock and patched on one model, and the rule every result must keep.
 
 **The rule.** Patched gives stock's result bitwise, and shows hooks the same batch shapes in
-the same order, unless stock is wrong in that configuration and patched is right. Wrong means an
+the same order, unless stock is wrong in that configuration and patched is right; even then,
+hooks see the shapes stock shows them, unless stock raised. Wrong means an
 exception, or logits that are not each prompt's own: at every step, the logits ``generate`` used
 for a row are held to the model's uncached forward of that prompt alone followed by the tokens
 the row generated (teacher-forced, so greedy and sampled calls are judged alike), within a
@@ -164,6 +165,9 @@ def judge(
     if patched.same_as(stock):
         return Verdict("same", "")
     detail = f"stock {stock.describe()}\npatched {patched.describe()}"
+    if stock.error is None and patched.seen != stock.seen:
+        # Even a fix shows hooks what stock shows them: the batch as passed, one forward a step.
+        return Verdict("regression", "hooks saw other shapes than stock shows them\n" + detail)
     patched_error = error_of(patched)
     if patched_error > tolerance:
         return Verdict(
