@@ -229,3 +229,25 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     }
     line = ", ".join(f"{number} {outcome}" for outcome, number in counts.items())
     terminalreporter.write_line(f"[{_ENVIRONMENT}] {line} (exit status {exitstatus})")
+
+
+@pytest.fixture
+def corrupt_past(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Scale the cached part of what each attention bridge attends over by 1.01 once switched on
+    (``switch["part"] = "keys"`` or ``"values"``): a cache that is slightly wrong."""
+    attention = targets.locate_bridge().attention_class
+    original = attention._update_kv_cache  # the patched or the stock one, as installed
+    switch: dict[str, Any] = {"part": None}
+
+    def update(self: Any, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+        keys, values = original(self, k, v, **kwargs)
+        new = k.shape[-2]
+        if switch["part"] is not None and keys.shape[-2] > new:
+            if switch["part"] == "keys":
+                keys = torch.cat([keys[..., :-new, :] * 1.01, keys[..., -new:, :]], dim=-2)
+            else:
+                values = torch.cat([values[..., :-new, :] * 1.01, values[..., -new:, :]], dim=-2)
+        return keys, values
+
+    monkeypatch.setattr(attention, "_update_kv_cache", update)
+    yield switch

@@ -7,14 +7,12 @@ after the prompt, through the real ``HookedTransformer`` cache and through Trans
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import targets
 from safelens_tl.verify import bridge, checks, models
 from tests.conftest import requires_bridge, requires_hooked_transformer
 
@@ -33,27 +31,6 @@ def test_a_cache_1_percent_off_fails_hooked_transformer_rows(
     tolerance = checks.TOLERANCES[dtype]
     assert checks.teacher_forced(model).max_rel_err <= tolerance
     assert checks.corrupted_cache_error(model, part, 1.01) > tolerance
-
-
-@pytest.fixture
-def corrupt_past(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """Scale the cached part of what each attention bridge attends over, when switched on."""
-    attention = targets.locate_bridge().attention_class
-    original = attention._update_kv_cache  # the patched or the stock one, as installed
-    switch: dict[str, Any] = {"part": None}
-
-    def update(self: Any, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
-        keys, values = original(self, k, v, **kwargs)
-        new = k.shape[-2]
-        if switch["part"] is not None and keys.shape[-2] > new:
-            if switch["part"] == "keys":
-                keys = torch.cat([keys[..., :-new, :] * 1.01, keys[..., -new:, :]], dim=-2)
-            else:
-                values = torch.cat([values[..., :-new, :] * 1.01, values[..., -new:, :]], dim=-2)
-        return keys, values
-
-    monkeypatch.setattr(attention, "_update_kv_cache", update)
-    yield switch
 
 
 @requires_bridge

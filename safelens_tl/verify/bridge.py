@@ -48,9 +48,13 @@ REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }
-#: Models with a recurrent state (Mamba, the linear attention of hybrids) round it to the dtype at
-#: every cached step; where Hugging Face's own cached generate differs from its own uncached
-#: forward by more than the tolerance, the bridge's may differ by up to this many times as much.
+#: How far past the dtype's tolerance a model's own rounding may take the bridge's cached path:
+#: up to this many times the error of Hugging Face's own cached generate against its own
+#: uncached forward (:func:`hugging_face_cached_error`). Models with a recurrent state (Mamba,
+#: the linear attention of hybrids) round it to the dtype at every cached step and get this
+#: bound outright; attention-only models only once the same checkpoint in float32 shows the
+#: cached path exact (:func:`float32_control`): deep models round further in half precision
+#: (a 30-layer Llama in bfloat16: 2e-2) than a cache 1% off moves a tiny one.
 OWN_ROUNDING_FACTOR = 2.0
 #: How a bridge reaches its dtype: booted in it, or booted in float32 and then converted.
 CONVERSIONS = ("boot", "half", "to")
@@ -571,6 +575,28 @@ def hugging_face_cached_error(
             input_ids=output.sequences, attention_mask=mask, position_ids=positions
         ).logits
     return relative_error(torch.stack(list(output.logits), dim=1), full[:, -new_tokens - 1 : -1])
+
+
+@dataclass(frozen=True)
+class Float32Control:
+    """The checkpoint's cached generate in float32, where rounding is ~1e-6: the largest error
+    against the bridge's own uncached forward and against Hugging Face's."""
+
+    own: float
+    reference: float
+
+
+def float32_control(folder: str | Path, device: str = "cpu") -> Float32Control | None:
+    """Run every batch of the checkpoint in ``folder`` in float32 (:func:`run_folder`); ``None``
+    where that cannot run (float32 does not fit in memory, say)."""
+    try:
+        runs = run_folder(folder, torch.float32, device)
+    except (RuntimeError, MemoryError):
+        return None
+    return Float32Control(
+        own=worst_error(run.max_rel_err for run in runs),
+        reference=worst_error(run.reference_rel_err for run in runs),
+    )
 
 
 def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:

@@ -38,6 +38,10 @@ class CheckResult:
     #: TransformerBridge rows: Hugging Face's own cached generate against its uncached forward. For
     #: models with a recurrent state (Mamba, hybrids) twice this, where larger, is the tolerance.
     hugging_face_cached_rel_err: float | None = None
+    #: TransformerBridge rows in half precision whose error passed the dtype's fixed bound: why
+    #: it is rounding (held to twice ``hugging_face_cached_rel_err``, the same checkpoint exact in
+    #: float32), or why it is not.
+    rounding: str | None = None
     #: TransformerBridge rows: ``hf_generate`` (Hugging Face's loop over the bridge, cached)
     #: against the bridge's uncached forward, held to ``tolerance``; ``None`` where it is missing.
     hf_generate_rel_err: float | None = None
@@ -110,7 +114,17 @@ def _error_cell(check: CheckResult) -> str:
     if check.tolerance is None:
         return f"{check.max_rel_err:.1e}"
     relation = "<=" if check.max_rel_err <= check.tolerance else ">"
-    return f"{check.max_rel_err:.1e} {relation} {check.tolerance:.0e}"
+    return f"{check.max_rel_err:.1e} {relation} {_bound(check.tolerance)}"
+
+
+def _bound(value: float) -> str:
+    """A tolerance as it was set (``2e-03``), or to two digits where derived (``1.1e-02``)."""
+    short = f"{value:.0e}"
+    return short if float(short) == value else f"{value:.1e}"
+
+
+def _rounding_cell(check: CheckResult) -> str:
+    return _number(check.hugging_face_cached_rel_err, ".1e")
 
 
 def table(report: Report) -> Table:
@@ -122,6 +136,7 @@ def table(report: Report) -> Table:
     )
     for column in ("model", "dtype", "device", "result", "max rel err <= tol"):
         result.add_column(column, no_wrap=True)
+    result.add_column("HF own**", justify="right")
     result.add_column("greedy agree", justify="right")
     result.add_column("cache", no_wrap=True)
     result.add_column("ms/tok cached*", justify="right")
@@ -136,6 +151,7 @@ def table(report: Report) -> Table:
             check.device,
             verdict,
             _error_cell(check),
+            _rounding_cell(check),
             agreement,
             _cache_cell(check),
             _number(check.ms_per_token_cached, ".0f"),
@@ -174,6 +190,20 @@ def render(report: Report, console: Console) -> None:
             "cache is slow. For speed, see benchmarks/ and docs/performance.md.",
             highlight=False,
         )
+    if any(check.hugging_face_cached_rel_err is not None for check in report.checks):
+        console.print(
+            "** Hugging Face's own cached generate against its own uncached forward, on the same "
+            "checkpoint and prompts: the rounding of the model's cached path without "
+            "TransformerLens.",
+            highlight=False,
+        )
+    for check in report.checks:
+        if check.passed and check.rounding:
+            console.print(
+                f"[green]~[/] {escape(check.model)} {check.dtype} {check.device}: "
+                f"{escape(check.rounding)}",
+                highlight=False,
+            )
     for check in report.checks:
         if check.error:
             console.print(
