@@ -72,6 +72,75 @@ class UnsupportedCheckpointError(ValueError):
     """The folder is not a checkpoint this release can turn into a ``HookedTransformer``."""
 
 
+#: Files that hold a Hugging Face checkpoint's weights.
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5")
+#: Endings of files people pass for a model that are no checkpoint folder.
+FILE_ENDINGS = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json", ".ckpt")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """Whether ``name`` is written as a local path rather than a Hub name (``org/model``)."""
+    return (
+        name.startswith(("/", "./", "../", "~", "."))
+        or name.count("/") > 1
+        or "\\" in name
+        or name.lower().endswith(FILE_ENDINGS)
+    )
+
+
+def _config_problem(folder: Path) -> str | None:
+    """What makes the folder's ``config.json`` unusable, where that can be told from the file."""
+    try:
+        config = read_config(str(folder))
+    except UnsupportedCheckpointError as error:
+        return str(error)
+    configs = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config, ...
+    for part in configs:
+        heads, kv_heads = part.get("num_attention_heads"), part.get("num_key_value_heads")
+        if not isinstance(heads, int) or not isinstance(kv_heads, int) or kv_heads <= 0:
+            continue
+        if heads % kv_heads:
+            return (
+                f"its config.json has {heads} attention heads and {kv_heads} key-value "
+                f"heads; the attention heads must be a multiple of the key-value heads"
+            )
+    return None
+
+
+def checkpoint_problem(name: str) -> str | None:
+    """Why ``--model name`` cannot be a checkpoint, told from the files before anything is
+    loaded; ``None`` when nothing is wrong that way (or ``name`` is a Hub name).
+
+    A path that exists is described as the local path it is (a file, a folder without
+    ``config.json``, without weights, a config that cannot work), never as a Hub lookup; a name
+    written as a path (``./x``, ``/x``, ``x.gguf``) that does not exist is said not to exist.
+    """
+    path = Path(name).expanduser()
+    what = "a checkpoint folder holds config.json, the weights and the tokenizer files"
+    if path.is_file():
+        advice = (
+            "; a GGUF file can be turned into one with transformers: "
+            "AutoModelForCausalLM.from_pretrained(<its folder>, gguf_file=<its name>)"
+            ".save_pretrained(<folder>), and the same for AutoTokenizer"
+            if path.suffix.lower() == ".gguf"
+            else ""
+        )
+        return f"--model {name}: is a file, not a checkpoint folder ({what}){advice}"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"--model {name}: the folder has no config.json ({what})"
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            return (
+                f"--model {name}: the folder has config.json but no weights (*.safetensors or "
+                f"pytorch_model.bin); save the model into it with model.save_pretrained(folder)"
+            )
+        problem = _config_problem(path)
+        return None if problem is None else f"--model {name}: {problem}"
+    if looks_like_a_path(name):
+        return f"--model {name}: no such file or folder"
+    return None
+
+
 def is_checkpoint_folder(name: str) -> bool:
     """Whether ``name`` is a folder holding a Hugging Face ``config.json``."""
     return (Path(name) / "config.json").is_file()

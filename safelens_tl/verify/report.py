@@ -169,14 +169,13 @@ def summary_line(report: Report) -> str:
     where = f"TransformerLens {report.transformer_lens}{hf}, torch {report.torch}, {patch}"
     if not report.checks:
         return f"FAILED: no check could run ({where}) in {report.seconds:.1f} s"
+    count = len(report.checks)
     if failed:
-        return (
-            f"FAILED: {len(failed)} of {len(report.checks)} checks failed ({where}) "
-            f"in {report.seconds:.1f} s"
-        )
+        which = "the 1 check" if count == 1 else f"{len(failed)} of {count} checks"
+        return f"FAILED: {which} failed ({where}) in {report.seconds:.1f} s"
+    which = "the 1 check" if count == 1 else f"all {count} checks"
     return (
-        f"PASSED: all {len(report.checks)} checks: cached generation matches uncached ({where}) "
-        f"in {report.seconds:.1f} s"
+        f"PASSED: {which}: cached generation matches uncached ({where}) in {report.seconds:.1f} s"
     )
 
 

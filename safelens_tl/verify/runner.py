@@ -191,6 +191,8 @@ def _guarded(model: str, dtype: torch.dtype, device: str, run: Callable[[], Chec
     def guarded() -> CheckResult:
         try:
             return run()
+        except ModelLoadError:
+            raise  # the model itself cannot be had: said once, exit 2
         except Exception as error:
             return CheckResult(
                 model=model,
@@ -338,7 +340,20 @@ def _bridge_check(
     from safelens_tl.verify import bridge
 
     source = folder if folder is not None else bridge.model_folder(label)
-    runs = bridge.run_folder(source, dtype, device)
+    try:
+        loaded = (
+            bridge.boot_folder(source, dtype, device),
+            bridge.reference_from(source, dtype, device),
+        )
+    except Exception as error:
+        if folder is None:
+            raise  # a built-in model: a failed check
+        # The user's checkpoint: a load error, not a broken cache (exit 2, one line).
+        raise ModelLoadError(
+            f"--model {folder}: cannot load the checkpoint in {diagnostics.dtype_name(dtype)} "
+            f"({short_error(error)}); check its config.json, weights and tokenizer files"
+        ) from error
+    runs = bridge.run_batches(*loaded)
     rounding = [r.hugging_face_cached_rel_err for r in runs if r.hugging_face_cached_rel_err]
     own_rounding = max(rounding) if rounding else None
     # Models with a recurrent state cannot be held closer than their own cached path gets without
@@ -654,6 +669,9 @@ def verify_pretrained(
     from safelens_tl.verify import local_model
 
     start = time.perf_counter()
+    problem = local_model.checkpoint_problem(name)
+    if problem is not None:
+        raise ModelLoadError(problem)
     devices = list(devices) if devices is not None else default_devices()
     if targets.has_bridge() and (not _has_hooked_transformer() or _bridge_only_folder(name)):
         if local_model.is_checkpoint_folder(name):
