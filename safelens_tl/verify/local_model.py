@@ -129,6 +129,9 @@ def checkpoint_problem(name: str) -> str | None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             return f"--model {name}: the folder has no config.json ({what})"
+        architecture = architecture_of(str(path))
+        if architecture is not None and not architecture.endswith(TEXT_GENERATOR_SUFFIXES):
+            return None  # the loader refuses it by its architecture, which says more
         if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             return (
                 f"--model {name}: the folder has config.json but no weights (*.safetensors or "
