@@ -96,7 +96,7 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
 
 
 def _assert_cache_bytes_stay_within_the_bound(trace: list[dict[str, Any]]) -> None:
-    """Bytes, not time: the issue's memory bound, checked after every pass of a real generate.
+    """Bytes, not time: the memory bound of docs/performance.md, checked after every pass of a real generate.
 
     Patched never holds more than max(stock x 1.25, stock + one growth step) at any token, an
     early stop holds what it generated (not max_new_tokens), and a second generate holds nothing
