@@ -44,7 +44,7 @@ def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(
         warnings.simplefilter("error", UserWarning)  # text back: no warning needed
         assert model.generate(PROMPTS, **arguments) == alone
     if not _maskless_release():
-        return
+        pytest.skip("this TransformerLens masks a batch itself: no stock failure to show")
     safelens_tl.deactivate()
     try:
         stock = _boot()
