@@ -10,9 +10,9 @@ How: one child process per variant runs under valgrind's callgrind tool with cou
 stock child never activates safelens-tl; the patched child activates it once, before it builds the
 model, as auto-activation does. Neither switches afterwards: switching changes TransformerLens's
 classes, and Python's specialized bytecode then runs its generic form for a while, more
-instructions for whichever variant the history hurts (docs/performance.md, thirty-fourth and
-thirty-fifth sessions: counts taken while switching differed by up to 0.3%, a size that how a
-process is set up can also give). Each child runs
+instructions for whichever variant the history hurts (docs/performance.md, "Method and noise":
+counts taken while switching differed by up to 0.3%, a size that how a process is set up can
+also give). Each child runs
 :data:`WARM_UPS` uncounted generations of each shape, then counts ``rounds`` of them: around each
 ``generate`` (nothing else) a tiny C helper, compiled on the spot against ``valgrind/callgrind.h``,
 turns counting on and writes the count under a label. Only the main thread is counted (TL's

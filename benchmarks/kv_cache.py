@@ -559,8 +559,8 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
 def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     # Skip the special tokens (ids 0-3) so no prompt holds padding or EOS.
-    drawn = torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
-    return drawn.to(DEVICE)
+    tokens = torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
+    return tokens.to(DEVICE)
 
 
 #: How a generation is timed: wall-clock seconds, or this process's CPU seconds (all threads),
@@ -583,7 +583,7 @@ def time_generate(
 
     ``warm``: run the same generation once untimed first. Switching the patches on or off
     changes TransformerLens's classes, which sends Python's specialized bytecode back to its
-    generic form for a while (docs/performance.md, thirty-fourth session); a user switches
+    generic form for a while (docs/performance.md, "Method and noise"); a user switches
     once, so only the steady state is timed. Worth it where that is a visible share: short
     generations.
     """
@@ -736,8 +736,8 @@ def bench_generate_in_processes(
     and Python's specialized bytecode falls back to its generic form each time, waiting longer
     after each fall (up to 4,096 runs of an instruction in 3.11) before it specializes again.
     After many switches, whichever variant the history hurts runs slower for hundreds of
-    generations: stock ran 1.4-1.9x slower after 200 switches (docs/performance.md,
-    thirty-fourth session).
+    generations: stock ran 1.4-1.9x slower after 200 switches (docs/performance.md, "Method and
+    noise").
     """
     from rich.console import Console
     from rich.progress import track
@@ -961,7 +961,8 @@ def trace_generate(
 
 
 def bench_trace(sizes: Sizes, results: Results) -> None:
-    """KV cache bytes after every token, stock and patched, against the issue's bound."""
+    """KV cache bytes after every token, stock and patched, against the memory bound
+    (docs/performance.md)."""
     model = long_model(sizes.trace_n_ctx)
     cfg = model.cfg
     heads = kv_cache.key_value_heads(cfg)

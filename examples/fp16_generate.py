@@ -1,11 +1,23 @@
 """Cached fp16/bf16 generation with TransformerLens, made safe by safelens-tl.
 
-Runs offline: it builds a tiny GPT-2-like model with random weights (swap in
+TransformerLens 2.x/3.x (``HookedTransformer``); on 4.x it says so and exits. Runs offline: it
+builds a tiny Llama-like model with random weights (swap in
 ``HookedTransformer.from_pretrained("gpt2")`` for a real one). On TransformerLens 3.0.0 the same
 code without safelens-tl fails with "expected scalar type Float but found Half".
 """
 
+import sys
+
 import torch
+
+try:
+    from transformer_lens import HookedTransformer  # noqa: F401  (TransformerLens 2.x/3.x)
+except ImportError:
+    print(
+        "examples/fp16_generate.py is for TransformerLens 2.x/3.x (HookedTransformer); on 4.x, "
+        "fp16 and bf16 generation through TransformerBridge: examples/transformer_bridge.py."
+    )
+    sys.exit(0)
 
 import safelens_tl.patch  # noqa: F401  (activates; not needed once auto-activation is installed)
 from safelens_tl.verify.models import build_model

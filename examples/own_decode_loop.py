@@ -3,9 +3,21 @@
 ``HookedTransformer.generate`` sizes its cache by itself. In a loop of your own, tell safelens-tl
 the final length with ``kv_storage.reserve`` and each layer's cache is allocated once, with no
 spare; without it the cache grows by 25% at a time. Runs offline on a tiny random model.
+TransformerLens 2.x/3.x (HookedTransformer); on 4.x it says so and exits.
 """
 
+import sys
+
 import torch
+
+try:
+    from transformer_lens import HookedTransformer  # noqa: F401  (TransformerLens 2.x/3.x)
+except ImportError:
+    print(
+        "examples/own_decode_loop.py is for TransformerLens 2.x/3.x (HookedTransformer); on 4.x, "
+        "TransformerBridge generates through Hugging Face's caches: examples/transformer_bridge.py."
+    )
+    sys.exit(0)
 
 import safelens_tl.patch  # noqa: F401  (activates; not needed once auto-activation is installed)
 from safelens_tl import kv_storage

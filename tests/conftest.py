@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 import safelens_tl
 from safelens_tl import kv_storage, targets
 
-# Hypothesis profiles (issue 6). "ci" is the default: >= 1000 property examples in a plain run.
+# Hypothesis profiles. "ci" is the default: >= 1000 property examples in a plain run.
 # The function-scoped fixtures here only reset activation, which every example may share.
 _SHARED = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
 settings.register_profile("ci", max_examples=1000, **_SHARED)
@@ -118,7 +118,7 @@ _architecture_folders: dict[str, Path] = {}
 
 
 def architecture_folder(architecture: str) -> Path:
-    """The tiny checkpoint of ``benchmarks/bridge_architectures.py``, saved once per session;
+    """The tiny checkpoint of ``benchmarks/bridge_architectures.py``, saved once per pytest session;
     skips where this transformers or TransformerLens lacks the architecture."""
     factory = importlib.import_module("transformer_lens.factories.architecture_adapter_factory")
     # "<architecture>+audio": that architecture with an audio tower (bridge_architectures.py).

@@ -96,7 +96,8 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
 
 
 def _assert_cache_bytes_stay_within_the_bound(trace: list[dict[str, Any]]) -> None:
-    """Bytes, not time: the issue's memory bound, checked after every pass of a real generate.
+    """Bytes, not time: the memory bound (docs/performance.md), checked after every pass of a
+    real generate.
 
     Patched never holds more than max(stock x 1.25, stock + one growth step) at any token, an
     early stop holds what it generated (not max_new_tokens), and a second generate holds nothing
@@ -429,7 +430,9 @@ def test_bridge_architectures_reports_patched_and_stock(tmp_path: Path) -> None:
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_bridge_hf_generate_reports_patched_and_stock(tmp_path: Path) -> None:
     """Hugging Face's loop through the bridge: patched, cached gives the uncached tokens; stock
-    is reported beside it, and an unknown architecture is refused."""
+    is reported beside it (wrong with transformers 5.24 and later, which pass the cache under a
+    name the stock attention bridges do not read; right before, from TransformerLens 3.9 on),
+    and an unknown architecture is refused."""
     path = tmp_path / "hf_generate.json"
     done = run_script(
         "bridge_hf_generate.py", "--architectures", "LlamaForCausalLM", "--json", str(path)
@@ -438,7 +441,16 @@ def test_bridge_hf_generate_reports_patched_and_stock(tmp_path: Path) -> None:
     assert "TransformerBridge.hf_generate" in done.stdout
     result = json.loads(path.read_text())["LlamaForCausalLM"]
     assert result["patched"] == "right", result
-    assert result["stock"] == "right" or result["stock"].startswith("wrong: "), result
+    import transformers
+
+    hugging_face = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    release = tuple(int(part) for part in RELEASE.split(".")[:2])
+    if hugging_face >= (5, 24):
+        assert result["stock"].startswith("wrong: "), result
+    elif release >= (3, 9):
+        assert result["stock"] == "right", result
+    else:  # 3.0-3.8 also drop a batch's attention mask in hf_generate
+        assert result["stock"] == "right" or result["stock"].startswith("wrong: "), result
     refused = run_script("bridge_hf_generate.py", "--architectures", "NoSuchForCausalLM")
     assert refused.returncode == 2 and "unknown ['NoSuchForCausalLM']" in refused.stderr
 
@@ -503,8 +515,14 @@ def test_bridge_architectures_in_bfloat16_checks_the_cache_dtype(tmp_path: Path)
     assert llama["dtype"] == "bfloat16" and llama["cache_dtype"] == "bfloat16", llama
     assert llama["max_rel_err"] <= checks.TOLERANCES[torch.bfloat16], llama
     mamba = results["MambaForCausalLM"]
-    if "build_error" in mamba or mamba["patched"]["error"]:  # TL 3.0: no Mamba with 5.24
-        return
+    if "build_error" in mamba:
+        pytest.skip(f"this transformers cannot build Mamba: {mamba['build_error']}")
+    if mamba["patched"]["error"]:
+        # TransformerLens before 3.9 has no Mamba bridge: stock fails alike. From 3.9 on, an
+        # error is a failure.
+        assert mamba["stock"]["error"] == mamba["patched"]["error"], mamba
+        assert tuple(int(part) for part in RELEASE.split(".")[:2]) < (3, 9), mamba
+        pytest.skip(f"TransformerLens cannot run Mamba here: {mamba['patched']['error']}")
     assert mamba["patched"]["cache_dtype"] is None, mamba
     own = mamba["patched"]["hugging_face_rel_err"]
     assert mamba["patched"]["max_rel_err"] <= max(2 * own, 8e-3), mamba
@@ -657,6 +675,11 @@ def test_bridge_architectures_refuses_an_unknown_architecture() -> None:
 #: tower) filled CI's disk. The largest now is DeepSeek-V4's, 41 MB.
 TINY_CHECKPOINT_BYTES = 64 * 2**20
 
+#: The fewest architectures the sweep below must build and compare: with transformers 5.25, 107
+#: of the 108 build (Gemma 3n's tower needs PIL); older transformers lack some. Fewer than this
+#: means building broke, not that the architectures are missing.
+MINIMUM_ARCHITECTURES_CHECKED = 60
+
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_no_architecture_generates_worse_patched_than_stock() -> None:
@@ -668,10 +691,12 @@ def test_no_architecture_generates_worse_patched_than_stock() -> None:
     is larger than :data:`TINY_CHECKPOINT_BYTES`."""
     architectures = benchmark_module("bridge_architectures")
     oversized = {}
+    checked, not_built = [], {}
     for name in architectures.ALL_ARCHITECTURES:
         try:
             folder = architectures.build(name)
-        except Exception:  # an architecture this transformers lacks, or cannot build tiny
+        except Exception as error:  # an architecture this transformers lacks, or cannot build
+            not_built[name] = architectures.last_line(error)
             continue
         size = sum(path.stat().st_size for path in Path(folder).rglob("*") if path.is_file())
         if size > TINY_CHECKPOINT_BYTES:
@@ -683,6 +708,10 @@ def test_no_architecture_generates_worse_patched_than_stock() -> None:
             # A hundred checkpoints, kept to the end of the run, filled CI's disk.
             shutil.rmtree(folder)
         assert stock == patched, (name, patched, stock)
+        checked.append(name)
+    assert len(checked) >= MINIMUM_ARCHITECTURES_CHECKED, (
+        f"{len(checked)} architectures compared; not built: {not_built}"
+    )
     assert not oversized, f"checkpoints over {TINY_CHECKPOINT_BYTES} bytes: {oversized}"
 
 

@@ -134,7 +134,7 @@ _forward_reader_folders: dict[str, Path] = {}
 
 
 def forward_reader_folder(name: str) -> Path:
-    """Save the tiny checkpoint ``name`` of :data:`FORWARD_READER_MODELS` once per session.
+    """Save the tiny checkpoint ``name`` of :data:`FORWARD_READER_MODELS` once per pytest session.
 
     Skips when the installed transformers or TransformerLens lacks the architecture.
     """

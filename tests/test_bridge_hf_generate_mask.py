@@ -40,8 +40,10 @@ def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(
     model = _boot(architecture)
     alone = [model.hf_generate(prompt, **GREEDY) for prompt in PROMPTS]
     assert model.hf_generate(PROMPTS, **GREEDY) == alone
-    if not _dropping_release() or architecture != "LlamaForCausalLM":
-        return
+    if architecture != "LlamaForCausalLM":
+        pytest.skip("stock half on Llama only: stock TL 3.x cannot run T5 on transformers 5.15+")
+    if not _dropping_release():
+        pytest.skip(f"TransformerLens {RELEASE} passes the batch's mask: no stock failure to show")
     safelens_tl.deactivate()
     try:
         stock = _boot(architecture)

@@ -15,7 +15,7 @@ key/value sharing across layers (Gemma 4); mixtures of experts; and state-space 
 attention layers, alone or beside attention (Mamba, Bamba, Jamba, Zamba 2, Qwen3-Next, ...).
 The number of examples is the profile's divided by 40 (at least 10): 25 per architecture in a
 plain run, about 40 s for all of them on two cores; the examples are derived from the test, not
-drawn anew, so that every CI run checks the same ones (a random run found the tolerance for
+sampled anew, so that every CI run checks the same ones (a random run found the tolerance for
 Zamba2's own rounding, below).
 """
 
@@ -95,7 +95,7 @@ _booted: dict[str, tuple[Any, Any]] = {}
 
 def _bridge_and_reference(architecture: str) -> tuple[Any, Any]:
     """The bridge of the tiny checkpoint and the same checkpoint as a plain Hugging Face model,
-    booted once per session (examples only read them)."""
+    booted once per pytest session (examples only read them)."""
     if architecture not in _booted:
         folder: Path = architecture_folder(architecture)
         model = bridge.boot_folder(folder, torch.float32, tokenizer=models.load_tokenizer())

@@ -19,7 +19,7 @@ _models: dict[tuple[str, torch.dtype], Any] = {}
 
 
 def model_for(name: str, dtype: torch.dtype) -> Any:
-    """Build each tiny model once per session (building is most of the cost)."""
+    """Build each tiny model once per pytest session (building is most of the cost)."""
     if (name, dtype) not in _models:
         from safelens_tl.verify.models import build_model
 

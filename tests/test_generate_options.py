@@ -39,7 +39,7 @@ _models: dict[tuple[str, torch.dtype], Any] = {}
 
 
 def model_for(name: str, dtype: torch.dtype) -> Any:
-    """Build each tiny model once per session."""
+    """Build each tiny model once per pytest session."""
     if (name, dtype) not in _models:
         from safelens_tl.verify.models import build_model
 

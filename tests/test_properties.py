@@ -8,7 +8,7 @@ non-empty ``meta`` past (which the next append must refuse with a ``ValueError``
 keys/values length mismatch (also refused); snapshots of the live cache (the tensor itself, a slice,
 a ``detach()``, a permuted view); and in-place edits of the live cache (activation patching). An
 append may keep what it returns or drop it, as ``generate`` does, so that buffers are written in
-place while only a snapshot holds them. The small-cache limit is drawn too, so that programs run
+place while only a snapshot holds them. The small-cache limit is generated too, so that programs run
 with small caches (``torch.cat``), with buffers, and across the move from one to the other; and
 whether torch can count a storage's tensors (without it, every cache must use ``torch.cat``).
 

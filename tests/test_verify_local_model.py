@@ -34,7 +34,7 @@ _folders: dict[str, Path] = {}
 
 
 def checkpoint(architecture: str) -> Path:
-    """The tiny checkpoint of ``architecture``, saved once per session."""
+    """The tiny checkpoint of ``architecture``, saved once per pytest session."""
     if architecture not in _folders:
         _folders[architecture] = Path(benchmark_module("hooked_architectures").build(architecture))
     return _folders[architecture]

@@ -171,7 +171,7 @@ def build_model(
 ) -> Any:
     """Build a built-in model (``gpt2-like`` or ``llama-like-gqa``) with fixed random weights.
 
-    The weights are drawn in float32 and then cast, so every dtype sees the same model.
+    The weights are sampled in float32 and then cast, so every dtype sees the same model.
     ``n_devices`` > 1 splits the blocks over that many GPUs, as TransformerLens does.
     """
     from transformer_lens import HookedTransformer

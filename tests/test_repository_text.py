@@ -1,0 +1,102 @@
+"""The repository's text speaks to users: no notes about how it was written.
+
+Every tracked ``*.md``, ``*.py``, ``*.ini``, ``*.toml``, ``*.sh`` file and ``.ci/run`` is searched
+for words that belong to the project's working notes, not to its reference: work sessions
+("thirty-fifth session"), numbered stops or internal issues ("stop 34", "issue 13") and machines
+that were lent or drawn. pytest's own words ("pytest session", "session-scoped fixture",
+``scope="session"``) and upstream issues ("upstream issue #1005", "TransformerLens issue 12")
+are allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUFFIXES = (".md", ".py", ".ini", ".toml", ".sh")
+EXTRA_FILES = (".ci/run",)
+
+_ORDINAL = (
+    r"(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|[a-z]+teenth|[a-z]+tieth|(?:twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety)-[a-z]+"
+    r"|\d+(?:st|nd|rd|th))"
+)
+#: Each pattern and what it stands for, as the failure names it.
+FORBIDDEN: dict[str, re.Pattern[str]] = {
+    "a work session": re.compile(r"\bsessions?\b", re.I),
+    "an ordinal session": re.compile(rf"\b{_ORDINAL}[\s-]+sessions?\b", re.I),
+    "a numbered stop": re.compile(r"\bstops?\s+#?\d+", re.I),
+    "an internal issue number": re.compile(
+        r"(?<!upstream )(?<!TransformerLens )(?<!TransformerLens's )\bissues?\s+#?\d+", re.I
+    ),
+    "a lent machine": re.compile(r"\blent\b", re.I),
+    "a drawn machine": re.compile(r"\bdrawn\b", re.I),
+}
+#: pytest's own uses of "session", removed from a line before it is searched.
+ALLOWED = re.compile(
+    r"pytest[ -]sessions?\b|\bsession[- ]scoped\b|\bscope\s*=\s*[\"']session[\"']"
+    r"|\bsessionstart\b|\bsessionfinish\b",
+    re.I,
+)
+
+
+def problems(line: str) -> list[str]:
+    """What in ``line`` the repository must not say (empty when nothing)."""
+    searched = ALLOWED.sub("", line)
+    return [name for name, pattern in FORBIDDEN.items() if pattern.search(searched)]
+
+
+def tracked_files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
+    return [
+        REPO / name
+        for name in listed
+        if name and (name.endswith(SUFFIXES) or name in EXTRA_FILES) and (REPO / name).is_file()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("as measured in the thirty-fifth session", ["a work session", "an ordinal session"]),
+        ("see the 26th session", ["a work session", "an ordinal session"]),
+        ("Disk ran out (stop 34)", ["a numbered stop"]),
+        ("GPU run (issue 13, item 4)", ["an internal issue number"]),
+        ("the one GPU machine lent so far", ["a lent machine"]),
+        ("a task that was drawn a device", ["a drawn machine"]),
+        ("issues 6 and 7 asked for it", ["an internal issue number"]),
+        ("(upstream issue #1005, fixed in 3.1)", []),
+        ("saved once per pytest session", []),
+        ('@pytest.fixture(scope="session")', []),
+        ("a session-scoped fixture builds it", []),
+        ("the loop stops at the first end token", []),
+    ],
+)
+def test_the_patterns_catch_what_they_should(line: str, expected: list[str]) -> None:
+    """A self-check: the search below can fail, and does not fail on legitimate wording."""
+    assert problems(line) == expected
+
+
+def test_the_search_covers_the_repository() -> None:
+    names = {path.relative_to(REPO).as_posix() for path in tracked_files()}
+    for name in ("README.md", "CHANGELOG.md", "tox.ini", "pyproject.toml", ".ci/run"):
+        assert name in names
+    assert any(name.startswith("safelens_tl/") for name in names)
+
+
+def test_no_tracked_text_speaks_of_how_it_was_written() -> None:
+    found = []
+    for path in tracked_files():
+        if path.name == Path(__file__).name:
+            continue  # this file quotes the words it forbids
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            for name in problems(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {name}: {line.strip()[:120]}")
+    assert not found, "\n".join(found)
