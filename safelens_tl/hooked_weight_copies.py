@@ -78,6 +78,12 @@ COPYING_OPERATIONS = frozenset(
 )
 
 
+#: Operations that return a view where the layout allows and a copy where it does not. Autograd
+#: decomposes them before the dispatch mode sees them, but under ``torch.inference_mode`` (TL 2.x's
+#: ``generate``) they arrive whole: a copy is told by a result in other storage.
+VIEW_OR_COPY_OPERATIONS = frozenset({"reshape", "flatten", "unflatten", "contiguous", "view_as"})
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
 
@@ -90,7 +96,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class WeightCopyCounter(TorchDispatchMode):
+class WeightCopyCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Record every copying ATen operation (:data:`COPYING_OPERATIONS`) that reads a tensor
     sharing storage with one of ``weights`` (a module's parameters, say), below autograd: what a
     forward really runs, whatever Python spelling produced it.
@@ -99,7 +105,7 @@ class WeightCopyCounter(TorchDispatchMode):
     """
 
     def __init__(self, weights: Iterable[torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.storages = _storages(weights)
         self.copies: list[tuple[str, tuple[int, ...]]] = []
 
@@ -112,6 +118,17 @@ class WeightCopyCounter(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if name in VIEW_OR_COPY_OPERATIONS:
+            result = func(*args, **kwargs)
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            pointer = None if source is None else source.untyped_storage().data_ptr()
+            if (
+                pointer in self.storages
+                and isinstance(result, torch.Tensor)
+                and result.untyped_storage().data_ptr() != pointer
+            ):
+                self.copies.append((name, tuple(source.shape)))  # type: ignore[union-attr]
+            return result
         if name in COPYING_OPERATIONS:
             # copy_(destination, source): only the source is read.
             inputs = _tensors(args[1:2] if name == "copy_" else args) + _tensors(
@@ -125,16 +142,14 @@ class WeightCopyCounter(TorchDispatchMode):
 
 
 def copies_weight(attn_linear: Callable[..., torch.Tensor]) -> bool:
-    """Whether ``simple_attn_linear(input, w, b)`` copies ``w`` or ``b`` (a call on tiny tensors)."""
+    """Whether ``simple_attn_linear(input, w, b)`` copies ``w`` or ``b`` (tried on tiny tensors)."""
     weight, bias = torch.zeros(2, 3, 4), torch.zeros(2, 4)
     with torch.no_grad(), WeightCopyCounter([weight, bias]) as counter:
         attn_linear(torch.zeros(1, 1, 3), weight, bias)
     return bool(counter.copies)
 
 
-def simple_attn_linear(
-    input: torch.Tensor, w: torch.Tensor, b: torch.Tensor
-) -> torch.Tensor:
+def simple_attn_linear(input: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``[batch, pos, d_model] x [head, d_model, d_head] + [head, d_head]`` ->
     ``[batch, pos, head, d_head]``, the weight read in its own layout (one product per head)."""
     if input.device != w.device:
@@ -190,6 +205,10 @@ _REWRITES: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
 _HELPERS: dict[str, Any] = {"_repeated_heads": _repeated_heads}
 
 
+def _literal(text: str, match: re.Match[str]) -> str:
+    return text
+
+
 def rewritten(
     function: Callable[..., Any], edits: Iterable[tuple[str, str]]
 ) -> Callable[..., Any] | None:
@@ -206,12 +225,15 @@ def rewritten(
     if not source.startswith("def "):
         return None
     for pattern, replacement in edits:
-        source, found = re.subn(pattern, lambda _: replacement, source)
+        # re.escape-free replacement text: a function returns it as it is.
+        source, found = re.subn(pattern, functools.partial(_literal, replacement), source)
         if not found:
             return None
     name = function.__name__
     helpers = ", ".join(_HELPERS)
-    factory = f"def _safelens_factory({helpers}):\n{textwrap.indent(source, '    ')}    return {name}\n"
+    factory = (
+        f"def _safelens_factory({helpers}):\n{textwrap.indent(source, '    ')}    return {name}\n"
+    )
     filename = f"<safelens-tl: {function.__module__}.{function.__qualname__}>"
     # Tracebacks and inspect.getsource of the replacement show the code that runs.
     linecache.cache[filename] = (len(factory), None, factory.splitlines(True), filename)
@@ -234,9 +256,15 @@ def patches() -> list[Patch]:
     original = None if attention is None else attention.__dict__.get("simple_attn_linear")
     if callable(original) and copies_weight(original):
         # The attention modules imported the function by name: each binding is replaced.
-        for module_name in (targets.HOOKED_ATTENTION_LINEAR_MODULE, *targets.HOOKED_ATTENTION_LINEAR_USERS):
+        for module_name in (
+            targets.HOOKED_ATTENTION_LINEAR_MODULE,
+            *targets.HOOKED_ATTENTION_LINEAR_USERS,
+        ):
             module = targets.optional_module(module_name)
-            if isinstance(module, ModuleType) and module.__dict__.get("simple_attn_linear") is original:
+            if (
+                isinstance(module, ModuleType)
+                and module.__dict__.get("simple_attn_linear") is original
+            ):
                 found.append(Patch(module, "simple_attn_linear", simple_attn_linear))
     for dotted, method, edits in _REWRITES:
         owner = targets.optional_class(dotted)

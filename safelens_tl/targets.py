@@ -93,9 +93,7 @@ HOOKED_ATTENTION_LINEAR_USERS: tuple[str, ...] = (
 #: (:mod:`safelens_tl.hooked_weight_copies`); each is rewritten only where its source does.
 HOOKED_GATED_MLP_CLASS = "transformer_lens.components.mlps.gated_mlp.GatedMLP"
 HOOKED_UNEMBED_CLASS = "transformer_lens.components.unembed.Unembed"
-HOOKED_GQA_CLASS = (
-    "transformer_lens.components.grouped_query_attention.GroupedQueryAttention"
-)
+HOOKED_GQA_CLASS = "transformer_lens.components.grouped_query_attention.GroupedQueryAttention"
 
 #: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
 #: lazily (about 2 s), so its patches wait for that import instead of forcing it.
