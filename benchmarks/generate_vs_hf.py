@@ -82,11 +82,14 @@ def build_checkpoint(model: str, gguf: Path | None, folder: Path) -> Path:
         hf: Any = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
-        # Saved as plain float32 weights: the dequantized model, not a quantized one.
-        for attribute in ("quantization_config",):
-            if hasattr(hf.config, attribute):
-                delattr(hf.config, attribute)
-        hf.save_pretrained(str(folder))
+        # Saved as plain float32 weights: transformers refuses to save a model loaded from GGUF,
+        # so the dequantized weights go into the same architecture built from its config.
+        config = hf.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain: Any = type(hf)(config)
+        plain.load_state_dict(hf.state_dict())
+        plain.save_pretrained(str(folder))
         tokenizer.save_pretrained(str(folder))
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM
