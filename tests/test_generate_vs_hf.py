@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
 from tests.conftest import BENCHMARKS, HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, benchmark_module
 
 SCRIPT = BENCHMARKS / "generate_vs_hf.py"
