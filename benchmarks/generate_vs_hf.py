@@ -442,7 +442,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="float32, prompt 16, 32 new tokens, 2 rounds, with the forward section",
+        help="float32, prompt 16, 32 new tokens, 2 rounds, the forward section timed once",
     )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=("stock", "patched"), help=argparse.SUPPRESS)
@@ -451,7 +451,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.dtypes, args.prompts, args.new_tokens = ["float32"], [16], [32]
-        args.rounds, args.forward = min(args.rounds, 2), True
+        args.rounds, args.reps, args.forward = min(args.rounds, 2), 1, True
     unknown = set(args.dtypes) - set(DTYPES)
     if unknown:
         parser.error(f"unknown dtypes {sorted(unknown)}")
