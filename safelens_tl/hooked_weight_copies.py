@@ -7,9 +7,7 @@ TransformerLens 3.0-3.9 copy weight matrices at every forward, in every layer:
 * attention's output projection makes ``einops.rearrange(self.W_O, ...).contiguous()``;
 * ``utilities.attention.simple_attn_linear`` (queries, keys and values) rearranges
   ``[head, d_model, d_head]`` into ``[(head d_head), d_model]``, which cannot be a view (also in
-  TransformerLens 2.x);
-* with ``cfg.ungroup_grouped_query_attention``, grouped-query attention projects keys and values
-  with ``W_K``/``W_V``, properties that ``repeat_interleave`` the key/value weights at each call.
+  TransformerLens 2.x).
 
 On a 135M-parameter Llama most of a cached generation's time went into those copies. The fix
 reads each weight in its own layout:
@@ -19,10 +17,7 @@ reads each weight in its own layout:
 * queries, keys and values are one matrix product per head (``torch.baddbmm`` with the heads as
   the batch, the bias fused as ``F.linear`` fuses it); the input is broadcast over the heads
   (no copy) and the ``[head, pos, d_head]`` result is laid out as ``[batch, pos, head, d_head]``
-  (a copy of the activation, the same layout the release returns);
-* ungrouped keys and values are projected with the key/value heads' own weights and the
-  *projections* repeated over the query heads: the same numbers, hook ``hook_k``/``hook_v``
-  still sees every query head.
+  (a copy of the activation, the same layout the release returns).
 
 Nothing is cached: no transposed or repeated weight stays in memory, and gradients reach the
 parameters as before. The hooks see the same names and shapes. Logits: bitwise equal where the
@@ -32,23 +27,31 @@ cached decoding step of batch 1) the kernel differs and so do the last bits
 (docs/performance.md gives the measured difference).
 
 What is patched is found by behaviour or by source: ``simple_attn_linear`` only where a call on
-tiny tensors copies its weight (:func:`copies_weight`); the forwards only where their source
-holds the copying expression, which is then replaced by its view in a recompiled copy of the
-release's own function (:func:`rewritten`), so that each release keeps its own logic.
+tiny tensors copies its weight (:func:`copies_weight`); ``GatedMLP.forward`` and
+``Unembed.forward`` only where their source is, to the byte, the body the replacements were
+written from (:data:`_KNOWN_SOURCES`); the output projection only where
+``AbstractAttention.forward`` calls ``.contiguous()`` on that very rearrangement: the attention
+module's ``einops`` is then one whose ``rearrange`` returns that rearrangement as a view, whose ``.contiguous()`` returns the view
+(:class:`EinopsWithoutOutputCopy`), and the rest of the release's forward runs as it is.
+
+Not covered: with ``cfg.ungroup_grouped_query_attention`` (off by default), grouped-query
+attention still projects keys and values with ``W_K``/``W_V``, properties that
+``repeat_interleave`` the key/value weights at each call.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import inspect
-import linecache
 import re
+import sys
 import textwrap
 from collections.abc import Callable, Iterable
-from types import FunctionType, ModuleType
+from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from safelens_tl import targets
@@ -167,86 +170,92 @@ def simple_attn_linear(input: torch.Tensor, w: torch.Tensor, b: torch.Tensor) ->
     return laid_out.view(input.shape[0], input.shape[1], heads, d_head)
 
 
-def _repeated_heads(projection: torch.Tensor, repeats: int) -> torch.Tensor:
-    """Keys or values of the key/value heads, repeated over the query heads of each group."""
-    return torch.repeat_interleave(projection, repeats, dim=2)
+def gated_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """``GatedMLP.forward`` of TransformerLens 3.0-3.9 with ``W.T`` for ``W.T.contiguous()``."""
+    if self.W_gate.device != x.device:
+        x = x.to(self.W_gate.device)
+    pre_act = self.hook_pre(F.linear(x, self.W_gate.T))  # [batch, pos, d_mlp]
+    if self.cfg.is_layer_norm_activation() and self.hook_mid is not None and self.ln is not None:
+        mid_act = self.hook_mid(self.act_fn(pre_act))  # [batch, pos, d_mlp]
+        post_act = self.hook_post(self.ln(mid_act))
+    else:
+        pre_linear = self.hook_pre_linear(F.linear(x, self.W_in.T))  # [batch, pos, d_mlp]
+        post_act = self.hook_post((self.act_fn(pre_act) * pre_linear) + self.b_in)
+    return F.linear(post_act, self.W_out.T, self.b_out)
 
 
-#: Copying expressions of the forwards and their views. Each forward is rewritten only where every
-#: listed pattern of it is found at least once.
-_TRANSPOSED_COPY = (r"\.T\.contiguous\(\)", ".T")
-_OUTPUT_WEIGHT_COPY = (
-    r"einops\.rearrange\(\s*self\.W_O,\s*"
-    r"\"head_index d_head d_model -> d_model \(head_index d_head\)\"\s*,?\s*\)\.contiguous\(\)",
-    # A view: [head, d_head, d_model] -> [(head d_head), d_model], transposed.
-    "self.W_O.reshape(-1, self.W_O.shape[-1]).T",
-)
-_UNGROUPED_KEYS = (
-    r"attn_fn\(key_input, self\.W_K, self\.b_K\)",
-    "(_repeated_heads(attn_fn(key_input, self._W_K, self._b_K), self.repeat_kv_heads) "
-    "if attn_fn is simple_attn_linear else attn_fn(key_input, self.W_K, self.b_K))",
-)
-_UNGROUPED_VALUES = (
-    r"attn_fn\(value_input, self\.W_V, self\.b_V\)",
-    "(_repeated_heads(attn_fn(value_input, self._W_V, self._b_V), self.repeat_kv_heads) "
-    "if attn_fn is simple_attn_linear else attn_fn(value_input, self.W_V, self.b_V))",
-)
-
-#: (class, method, patterns) rewritten where the installed release has them.
-_REWRITES: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
-    (targets.HOOKED_GATED_MLP_CLASS, "forward", (_TRANSPOSED_COPY,)),
-    (targets.HOOKED_UNEMBED_CLASS, "forward", (_TRANSPOSED_COPY,)),
-    (targets.HOOKED_ATTENTION_CLASS, "forward", (_OUTPUT_WEIGHT_COPY,)),
-    (targets.HOOKED_GQA_CLASS, "calculate_qkv_matrices", (_UNGROUPED_KEYS, _UNGROUPED_VALUES)),
-)
-
-#: Names the rewritten functions may use besides their module's globals (passed as closure
-#: variables, so that the module's globals stay live: a patched ``simple_attn_linear`` is seen).
-_HELPERS: dict[str, Any] = {"_repeated_heads": _repeated_heads}
+def unembed_forward(self: Any, residual: torch.Tensor) -> torch.Tensor:
+    """``Unembed.forward`` of TransformerLens 3.0-3.9 with ``W_U.T`` for ``W_U.T.contiguous()``."""
+    residual = self.hook_in(residual)
+    logits: torch.Tensor = self.hook_out(F.linear(residual, self.W_U.T, self.b_U))
+    return logits
 
 
-def _literal(text: str, match: re.Match[str]) -> str:
-    return text
+#: sha256 of the dedented source of each forward the replacements above were written from
+#: (TransformerLens 3.0.0 and 3.9.0 have the same two): another body is left as it is.
+_KNOWN_SOURCES: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
+    targets.HOOKED_GATED_MLP_CLASS: (
+        "0c31a3055a4d523061fe8fb8f01ac319885381aa98092c5b661c733f9d28614c",
+        gated_mlp_forward,
+    ),
+    targets.HOOKED_UNEMBED_CLASS: (
+        "0387667288742277042146229c03512a628d51ae8f915951def7cd1abb971ae2",
+        unembed_forward,
+    ),
+}
 
 
-def rewritten(
-    function: Callable[..., Any], edits: Iterable[tuple[str, str]]
-) -> Callable[..., Any] | None:
-    """``function`` recompiled from its source with every ``(pattern, replacement)`` applied, in
-    its module's globals; ``None`` when a pattern is not found (this release does not copy there,
-    or words it otherwise) or the source cannot be recompiled as it stands (decorated, a closure,
-    no source)."""
-    if not isinstance(function, FunctionType) or function.__code__.co_freevars:
-        return None
+def source_digest(function: Callable[..., Any]) -> str | None:
+    """sha256 of ``function``'s dedented source; ``None`` where it has none."""
     try:
         source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
         return None
-    if not source.startswith("def "):
-        return None
-    for pattern, replacement in edits:
-        # re.escape-free replacement text: a function returns it as it is.
-        source, found = re.subn(pattern, functools.partial(_literal, replacement), source)
-        if not found:
-            return None
-    name = function.__name__
-    helpers = ", ".join(_HELPERS)
-    factory = (
-        f"def _safelens_factory({helpers}):\n{textwrap.indent(source, '    ')}    return {name}\n"
-    )
-    filename = f"<safelens-tl: {function.__module__}.{function.__qualname__}>"
-    # Tracebacks and inspect.getsource of the replacement show the code that runs.
-    linecache.cache[filename] = (len(factory), None, factory.splitlines(True), filename)
-    namespace: dict[str, Any] = {}
-    exec(compile(factory, filename, "exec"), function.__globals__, namespace)
-    replacement = namespace["_safelens_factory"](**_HELPERS)
-    replacement.__qualname__ = function.__qualname__
-    replacement.__module__ = function.__module__
-    replacement.__doc__ = function.__doc__
-    replacement.__defaults__ = function.__defaults__
-    replacement.__kwdefaults__ = function.__kwdefaults__
-    assert callable(replacement)
-    return functools.update_wrapper(replacement, function, assigned=(), updated=())
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+#: The output projection's copy in ``AbstractAttention.forward`` (TransformerLens 3.0-3.9).
+OUTPUT_PATTERN = "head_index d_head d_model -> d_model (head_index d_head)"
+_OUTPUT_COPY = re.compile(
+    r"einops\.rearrange\(\s*self\.W_O,\s*\"" + re.escape(OUTPUT_PATTERN) + r"\"\s*,?\s*\)"
+    r"\.contiguous\(\)"
+)
+
+
+class _TransposedView(torch.Tensor):
+    """``W_O`` rearranged for the output projection, as a view, between ``rearrange`` and the
+    ``.contiguous()`` the release calls on it: that call returns the plain view instead of a
+    copy. Torch functions see a plain tensor (no subclass propagates)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        return self.as_subclass(torch.Tensor)
+
+
+class EinopsWithoutOutputCopy:
+    """``einops`` as ``AbstractAttention.forward`` sees it: every function is einops' own, except
+    that the output projection's rearrangement of a contiguous ``W_O`` is a view,
+    ``W_O.reshape(head * d_head, d_model).T``, whose ``.contiguous()`` copies nothing."""
+
+    def __init__(self, einops_module: ModuleType) -> None:
+        self._einops = einops_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._einops, name)
+
+    def rearrange(self, tensor: Any, pattern: str, **axes: Any) -> Any:
+        """einops' ``rearrange``; the output projection's pattern on ``W_O`` gives a view."""
+        if (
+            pattern == OUTPUT_PATTERN
+            and not axes
+            and isinstance(tensor, torch.Tensor)
+            and tensor.dim() == 3
+            and tensor.is_contiguous()
+        ):
+            view = tensor.reshape(-1, tensor.shape[-1]).T
+            return view.as_subclass(_TransposedView)
+        return self._einops.rearrange(tensor, pattern, **axes)
 
 
 def patches() -> list[Patch]:
@@ -266,12 +275,21 @@ def patches() -> list[Patch]:
                 and module.__dict__.get("simple_attn_linear") is original
             ):
                 found.append(Patch(module, "simple_attn_linear", simple_attn_linear))
-    for dotted, method, edits in _REWRITES:
+    for dotted, (digest, replacement) in _KNOWN_SOURCES.items():
         owner = targets.optional_class(dotted)
-        function = None if owner is None else owner.__dict__.get(method)
-        if owner is None or function is None:
-            continue
-        replacement = rewritten(function, edits)
-        if replacement is not None:
-            found.append(Patch(owner, method, replacement))
+        forward = None if owner is None else owner.__dict__.get("forward")
+        if owner is not None and forward is not None and source_digest(forward) == digest:
+            found.append(Patch(owner, "forward", replacement))
+    attention_class = targets.optional_class(targets.HOOKED_ATTENTION_CLASS)
+    forward = None if attention_class is None else attention_class.__dict__.get("forward")
+    module = None if attention_class is None else sys.modules.get(attention_class.__module__)
+    einops_module = None if module is None else module.__dict__.get("einops")
+    if module is not None and isinstance(einops_module, ModuleType) and forward is not None:
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            source = ""
+        # Only where the forward calls .contiguous() on that very rearrangement.
+        if _OUTPUT_COPY.search(source):
+            found.append(Patch(module, "einops", EinopsWithoutOutputCopy(einops_module)))
     return found

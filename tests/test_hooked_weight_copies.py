@@ -141,37 +141,6 @@ def test_gradients_reach_every_parameter_as_in_stock(name: str) -> None:
     assert counter.copies == []
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_ungrouped_grouped_query_attention(dtype: torch.dtype) -> None:
-    """``ungroup_grouped_query_attention``: the stock properties repeat the key/value weights at
-    every forward; patched, the projections are repeated instead, hooks see every query head."""
-
-    def run(model: Any) -> tuple[torch.Tensor, list[Any], torch.Size]:
-        shapes: list[torch.Size] = []
-        with model.hooks(
-            fwd_hooks=[("blocks.0.attn.hook_k", lambda a, hook: shapes.append(a.shape))]
-        ):
-            logits, copies = forward_copies(model, tokens())
-        return logits, copies, shapes[0]
-
-    stock_logits, stock_copies, stock_shape = run(
-        build("llama-like-gqa", dtype, ungroup_grouped_query_attention=True)
-    )
-    safelens_tl.activate()
-    logits, copies, shape = run(
-        build("llama-like-gqa", dtype, ungroup_grouped_query_attention=True)
-    )
-    # The repeated key/value weights come on top of the grouped model's copies.
-    _, grouped_copies = forward_copies(build("llama-like-gqa", dtype), tokens())
-    assert grouped_copies == []
-    safelens_tl.deactivate()
-    _, stock_grouped_copies = forward_copies(build("llama-like-gqa", dtype), tokens())
-    assert len(stock_copies) > len(stock_grouped_copies) > 0
-    assert copies == []
-    assert shape == stock_shape and shape[2] == models.LLAMA_LIKE["n_heads"]
-    assert torch.equal(logits, stock_logits)
-
-
 def test_status_lists_the_patches_and_deactivate_restores_stock() -> None:
     originals = {patch.target: patch.owner.__dict__[patch.attribute] for patch in FIXED}
     patched = safelens_tl.activate().to_dict()["patched"]
