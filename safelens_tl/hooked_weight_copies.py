@@ -31,8 +31,9 @@ tiny tensors copies its weight (:func:`copies_weight`); ``GatedMLP.forward`` and
 ``Unembed.forward`` only where their source is, to the byte, the body the replacements were
 written from (:data:`_KNOWN_SOURCES`); the output projection only where
 ``AbstractAttention.forward`` calls ``.contiguous()`` on that very rearrangement: the attention
-module's ``einops`` is then one whose ``rearrange`` returns that rearrangement as a view, whose ``.contiguous()`` returns the view
-(:class:`EinopsWithoutOutputCopy`), and the rest of the release's forward runs as it is.
+module's ``einops`` is then one whose ``rearrange`` returns that rearrangement as a view, whose
+``.contiguous()`` returns the view (:class:`EinopsWithoutOutputCopy`), and the rest of the
+release's forward runs as it is.
 
 Not covered: with ``cfg.ungroup_grouped_query_attention`` (off by default), grouped-query
 attention still projects keys and values with ``W_K``/``W_V``, properties that
@@ -216,7 +217,7 @@ def source_digest(function: Callable[..., Any]) -> str | None:
 
 #: The output projection's copy in ``AbstractAttention.forward`` (TransformerLens 3.0-3.9).
 OUTPUT_PATTERN = "head_index d_head d_model -> d_model (head_index d_head)"
-_OUTPUT_COPY = re.compile(
+_OUTPUT_COPY = (
     r"einops\.rearrange\(\s*self\.W_O,\s*\"" + re.escape(OUTPUT_PATTERN) + r"\"\s*,?\s*\)"
     r"\.contiguous\(\)"
 )
@@ -290,6 +291,6 @@ def patches() -> list[Patch]:
         except (OSError, TypeError):
             source = ""
         # Only where the forward calls .contiguous() on that very rearrangement.
-        if _OUTPUT_COPY.search(source):
+        if re.search(_OUTPUT_COPY, source):
             found.append(Patch(module, "einops", EinopsWithoutOutputCopy(einops_module)))
     return found
