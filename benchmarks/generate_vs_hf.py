@@ -231,7 +231,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
                             }
                         )
                 if args.forward and api == "hooked":
-                    for batch, length in ((1, 16), (4, 512)):
+                    for batch, length in args.forward_shapes:
                         tokens = prompt_tokens(tokenizer, length).repeat(batch, 1)
                         model(tokens)  # warm-up
                         timings = [
@@ -303,6 +303,8 @@ def spawn(args: argparse.Namespace, variant: str, checkpoint: Path) -> dict[str,
         "--threads",
         str(args.threads),
         *(["--forward"] if args.forward else []),
+        "--forward-shapes",
+        ",".join(f"{batch}x{tokens}" for batch, tokens in args.forward_shapes),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -425,6 +427,11 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return lambda text: [kind(item) for item in text.split(",") if item]
 
 
+def _shape(text: str) -> tuple[int, int]:
+    batch, tokens = text.lower().split("x")
+    return int(batch), int(tokens)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -439,6 +446,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="forward calls timed per process")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--forward", action="store_true", help="also time model(tokens)")
+    parser.add_argument(
+        "--forward-shapes",
+        type=_csv(_shape),
+        default=[(1, 16), (4, 512)],
+        help="batch x tokens of the forward section (default 1x16,4x512)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
