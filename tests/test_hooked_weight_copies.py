@@ -36,24 +36,9 @@ MODELS = ("gpt2-like", "llama-like-gqa")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def build(name: str, dtype: torch.dtype, **overrides: Any) -> Any:
-    """A built-in tiny model with fixed weights; ``overrides`` change its config first."""
-    if not overrides:
-        return models.build_model(name, dtype)
-    from transformer_lens import HookedTransformer
-
-    torch.manual_seed(0)
-    cfg = models.hooked_config_class()(
-        **{**models.BUILTIN_MODELS[name], **overrides},
-        d_vocab=models.vocab_size(),
-        tokenizer_prepends_bos=True,
-        default_prepend_bos=True,
-    )
-    model = HookedTransformer(cfg, tokenizer=models.load_tokenizer(), default_padding_side="left")
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    return model.to(dtype)
+def build(name: str, dtype: torch.dtype) -> Any:
+    """A built-in tiny model with fixed weights (the same weights at every call)."""
+    return models.build_model(name, dtype)
 
 
 def forward_copies(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
@@ -166,3 +151,27 @@ def test_no_weight_is_kept_twice() -> None:
         for module in model.modules()
         for value in vars(module).values()
     )
+
+
+def test_the_probe_tells_a_copying_projection_from_the_replacement() -> None:
+    from transformer_lens.utilities import attention
+
+    assert hooked_weight_copies.copies_weight(attention.simple_attn_linear)  # stock
+    assert not hooked_weight_copies.copies_weight(hooked_weight_copies.simple_attn_linear)
+
+
+def test_other_rearrangements_pass_through_the_attention_module_s_einops() -> None:
+    """Only ``W_O``'s output-projection pattern on a contiguous tensor becomes a view."""
+    import einops
+
+    proxy = hooked_weight_copies.EinopsWithoutOutputCopy(einops)
+    weight = torch.randn(4, 16, 64)
+    view = proxy.rearrange(weight, hooked_weight_copies.OUTPUT_PATTERN).contiguous()
+    assert type(view) is torch.Tensor and view.data_ptr() == weight.data_ptr()
+    assert torch.equal(view, einops.rearrange(weight, hooked_weight_copies.OUTPUT_PATTERN))
+    transposed = weight.transpose(1, 2).contiguous().transpose(1, 2)  # not contiguous
+    copied = proxy.rearrange(transposed, hooked_weight_copies.OUTPUT_PATTERN)
+    assert torch.equal(copied, view) and type(copied) is torch.Tensor
+    other = proxy.rearrange(weight, "a b c -> c b a")
+    assert torch.equal(other, weight.permute(2, 1, 0)) and type(other) is torch.Tensor
+    assert proxy.reduce is einops.reduce
