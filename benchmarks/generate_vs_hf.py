@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.checkpoint_dir) if args.checkpoint_dir else default_checkpoint_dir()
     checkpoint = build_checkpoint(model, gguf, folder)
     args.apis = args.apis or available_apis()
+    measured_on = machine()  # the commit as the rounds start
     rounds = []
     for number in range(args.rounds):
         # Alternate which variant goes first, so that neither always runs on a warmer machine.
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append({variant: spawn(args, variant, checkpoint) for variant in order})
         print(f"round {number + 1}/{args.rounds} done", file=sys.stderr)
     results: dict[str, Any] = {
-        "machine": machine(),
+        "machine": measured_on,
         "model": model,
         "checkpoint": str(checkpoint),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
