@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import BENCHMARKS, HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, benchmark_module
 
 SCRIPT = BENCHMARKS / "generate_vs_hf.py"
@@ -98,3 +100,32 @@ def test_ratios_are_medians_of_the_paired_rounds() -> None:
     assert row["hf_ms"] == 60.0  # median of 50, 100, 60 (stock) and 50, 100, 60 (patched)
     assert not row["patched_same_tokens"]
     assert row["stock_equals_patched"]  # the rounds disagree with HF alike
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="the forward is HookedTransformer's")
+def test_forward_alternating_prints_the_ratio(tmp_path: Path) -> None:
+    generate_vs_hf = benchmark_module("generate_vs_hf")
+    folder = generate_vs_hf.build_checkpoint("tiny", None, tmp_path / "checkpoint")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "forward_alternating.py"),
+            "--checkpoint",
+            str(folder),
+            "--batch",
+            "2",
+            "--tokens",
+            "8",
+            "--pairs",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("2x8 float32: stock ")]
+    assert "median" in line
