@@ -22,9 +22,10 @@ reads each weight in its own layout:
 Nothing is cached: no transposed or repeated weight stays in memory, and gradients reach the
 parameters as before. The hooks see the same names and shapes. Logits: bitwise equal where the
 matrix product takes the same kernel for either layout (float32 with 16 or more rows per
-product; bfloat16 on CPU for every row count measured); with one or two rows in float32 (a
-cached decoding step of batch 1) the kernel differs and so do the last bits
-(docs/performance.md gives the measured difference).
+product; bfloat16 on CPU for every row count measured; float16 on CPU with one row); with one or
+two rows in float32 (a cached decoding step of batch 1), and with several rows in float16 on
+CPU, the kernel differs and so do the last bits (docs/performance.md gives the measured
+differences).
 
 What is patched is found by behaviour or by source: ``simple_attn_linear`` only where a call on
 tiny tensors copies its weight (:func:`copies_weight`); ``GatedMLP.forward`` and
