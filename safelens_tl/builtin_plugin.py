@@ -12,6 +12,7 @@ from safelens_tl import (
     hooked_generate_mask,
     hooked_generate_ones_mask,
     hooked_moe_dtype,
+    hooked_weight_copies,
     hooked_zeros_mask,
     kv_cache,
     targets,
@@ -99,6 +100,8 @@ def safelens_tl_patches(layout: Layout) -> list[Patch]:
             Patch(utils, "get_attention_mask", hooked_zeros_mask.answering_zeros(original_mask))
         )
     patches.extend(_layer_patches())
+    # Forwards that copy weight matrices at every call (TransformerLens 3.x; Q/K/V also 2.x).
+    patches.extend(hooked_weight_copies.patches())
     return patches
 
 

@@ -81,6 +81,19 @@ HOOKED_ATTENTION_CLASS = "transformer_lens.components.abstract_attention.Abstrac
 #: HookedTransformer's mixture-of-experts layer (Mixtral, OLMoE), built in the model's dtype
 #: (:mod:`safelens_tl.hooked_moe_dtype`). Not every release has it.
 HOOKED_MOE_CLASS = "transformer_lens.components.mlps.moe.MoE"
+#: Where ``simple_attn_linear`` (queries, keys, values) is defined (TransformerLens 2.x and 3.x),
+#: and the attention modules that import it by name and call it through their own globals
+#: (:mod:`safelens_tl.hooked_weight_copies`).
+HOOKED_ATTENTION_LINEAR_MODULE = "transformer_lens.utilities.attention"
+HOOKED_ATTENTION_LINEAR_USERS: tuple[str, ...] = (
+    "transformer_lens.components.abstract_attention",
+    "transformer_lens.components.grouped_query_attention",
+)
+#: Layers whose forward copies a weight matrix at every call in TransformerLens 3.0-3.9
+#: (:mod:`safelens_tl.hooked_weight_copies`); each is rewritten only where its source does.
+HOOKED_GATED_MLP_CLASS = "transformer_lens.components.mlps.gated_mlp.GatedMLP"
+HOOKED_UNEMBED_CLASS = "transformer_lens.components.unembed.Unembed"
+HOOKED_GQA_CLASS = "transformer_lens.components.grouped_query_attention.GroupedQueryAttention"
 
 #: Where ``TransformerBridge`` lives (TransformerLens 3.x and 4.x). TransformerLens imports it
 #: lazily (about 2 s), so its patches wait for that import instead of forcing it.

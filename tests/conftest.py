@@ -94,6 +94,23 @@ def stock_with_positions(model: Any) -> Iterator[None]:
         tokenizer.pad_token_id = 0
 
 
+@contextlib.contextmanager
+def weights_read_in_place() -> Iterator[None]:
+    """Stock TransformerLens plus only safelens-tl's weight-copy patches
+    (:mod:`safelens_tl.hooked_weight_copies`), for tests that hold another patch to stock's
+    numbers bitwise: reading a weight in place changes the last bits of one-row float32 and of
+    float16 products, which is not what those tests are about. Use while safelens-tl is
+    inactive."""
+    from safelens_tl import hooked_weight_copies, patching
+
+    installed = [patching.install(patch) for patch in hooked_weight_copies.patches()]
+    try:
+        yield
+    finally:
+        for record in reversed(installed):
+            patching.uninstall(record)
+
+
 #: ``benchmarks/``: scripts, not a package.
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

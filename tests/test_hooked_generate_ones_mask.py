@@ -21,6 +21,7 @@ from tests.conftest import (
     generate_recording,
     requires_hooked_transformer,
     tiny_model,
+    weights_read_in_place,
 )
 
 pytestmark = requires_hooked_transformer
@@ -53,7 +54,9 @@ def test_tokens_logits_and_every_activation_are_stock_s_bitwise(
     model = tiny_model(name, dtype)
     for prompt in (checks.PROMPTS[1], ["the cat runs", "the dog runs"]):
         options = {"use_past_kv_cache": cached, "return_type": "tokens", "output_logits": True}
-        stock, stock_seen = generate_recording(model, prompt, NEW, **options)
+        # The mask is what is compared: stock reads the weights as safelens-tl does.
+        with weights_read_in_place():
+            stock, stock_seen = generate_recording(model, prompt, NEW, **options)
         safelens_tl.activate()
         ours, ours_seen = generate_recording(model, prompt, NEW, **options)
         safelens_tl.deactivate()
