@@ -145,7 +145,8 @@ class FixState:
     #: ``None`` while its module has not been imported (or nothing was activated).
     applies: bool | None
     reason: str
-    #: ``installed``, ``pending``, ``failed``, ``not needed`` or ``not installed``.
+    #: ``installed``, ``pending`` (on an import), ``failed``, ``not applicable``, ``nothing to
+    #: patch`` (applies, but found no attribute to change) or ``not installed`` (inactive).
     state: str
     when_imported: str = field(default="")
 
@@ -265,17 +266,26 @@ def states(
         decision = decisions.get(fix.id)
         if active and module in waiting:
             found.append(FixState(fix.id, None, f"waits for import {module}", "pending", module))
-        elif decision is None or not active:
+        elif not active:
             found.append(FixState(fix.id, None, "not activated", "not installed", module))
+        elif decision is None:
+            # Its plugin never built it: TransformerLens has no such module (2.x's bridge).
+            reason = f"this TransformerLens has no {module}"
+            found.append(FixState(fix.id, False, reason, "not applicable", module))
         elif decision.failed and fix.id not in installed_ids:
             found.append(FixState(fix.id, decision.applies, decision.reason, "failed", module))
         elif fix.id in installed_ids:
             found.append(FixState(fix.id, True, decision.reason, "installed", module))
         elif decision.applies:
-            found.append(FixState(fix.id, True, decision.reason, "not needed", module))
+            found.append(FixState(fix.id, True, decision.reason, "nothing to patch", module))
         else:
-            found.append(FixState(fix.id, False, decision.reason, "not needed", module))
+            reason = f"{decision.reason} (affects {_ranges(fix)})"
+            found.append(FixState(fix.id, False, reason, "not applicable", module))
     return tuple(found)
+
+
+def _ranges(fix: Fix) -> str:
+    return ", ".join(f"{name} {spec}" for name, spec in fix.affects.items())
 
 
 def markdown(fixes: Iterable[Fix]) -> str:
