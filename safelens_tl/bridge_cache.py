@@ -338,8 +338,9 @@ def _patches(context: Context) -> Iterator[Patch | Wrap | Failure]:
 FIX = Fix(
     id="bridge_cache",
     symptom="cached TransformerBridge.generate and hf_generate silently wrong with transformers "
-    ">= 5.24: each step attends to itself alone",
-    affects=frozen({"transformer-lens": ">=3.0,<4.4", "transformers": ">=5.24"}),
+    ">= 5.24 (and for Falcon, BLOOM, GPTBigCode on TransformerLens 3.0): each step attends to "
+    "itself alone",
+    affects=frozen({"transformer-lens": ">=3.0,<4.4"}),
     remedy="the attention bridges read the cache under whichever name transformers passes",
     applies=_applies,
     patches=_patches,

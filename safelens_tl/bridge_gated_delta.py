@@ -95,7 +95,7 @@ FIX = Fix(
     id="bridge_gated_delta",
     symptom="Qwen3-Next and Qwen3.5 through TransformerBridge without a cache raise "
     "AttributeError (transformers 5.15+)",
-    affects=frozen({"transformer-lens": ">=3.9,<4", "transformers": ">=5.15"}),
+    affects=frozen({"transformer-lens": ">=3.0,<4", "transformers": ">=5.15"}),
     remedy="the layer is handed the functions of its modeling file",
     applies=_applies,
     patches=_patches,

@@ -126,7 +126,7 @@ FIX = Fix(
     id="bridge_state_mask",
     symptom="cached TransformerBridge.generate silently wrong on Mamba and FalconMamba for a "
     "batch of prompts (a single prompt too with transformers 5.24)",
-    affects=frozen({"transformer-lens": ">=3.9,<5"}),
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
     remedy="state-space mixers get the mask of the positions they run",
     applies=_applies,
     patches=_patches,

@@ -3,7 +3,8 @@
 Each fix module ends with its ``FIX = Fix(...)``; :data:`safelens_tl.fixes_registry.FIXES` is the
 one ordered list of them. The plugins ask :func:`build` for the patches of the records triggered
 by one module's import; ``status()`` asks :func:`states` what became of each record, and
-``python -m safelens_tl.registry --markdown`` writes ``docs/fixes.md``'s table from the records.
+``python -m safelens_tl.registry --write docs/fixes.md`` regenerates that file's table of fixes
+from the records (``tests/test_registry.py`` fails while the committed table is stale).
 
 Several records may change the same method (``TransformerBridge.generate`` has three fixes): each
 contributes a :class:`Wrap`, and :func:`build` composes the contributions to one attribute into
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     from safelens_tl.fixes_registry import FIXES
 
     parser = argparse.ArgumentParser(prog="python -m safelens_tl.registry")
+    parser.add_argument("--markdown", action="store_true", help="print the table (the default)")
     parser.add_argument("--write", metavar="PATH", help="regenerate the table in this file")
     arguments = parser.parse_args(argv)
     if arguments.write:
