@@ -34,6 +34,7 @@ from safelens_tl import (
     hooked_moe_dtype,
     hooked_zeros_mask,
     kv_cache,
+    registry,
 )
 from safelens_tl.registry import Fix
 
@@ -79,3 +80,25 @@ BRIDGE_FIXES: tuple[Fix, ...] = (
 
 #: Every fix, in the order its patches are built.
 FIXES: tuple[Fix, ...] = HOOKED_FIXES + BRIDGE_FIXES
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m safelens_tl.fixes_registry [--markdown | --write PATH]``: print the table of
+    fixes, or regenerate it in ``docs/fixes.md``."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m safelens_tl.fixes_registry")
+    parser.add_argument("--markdown", action="store_true", help="print the table (the default)")
+    parser.add_argument("--write", metavar="PATH", help="regenerate the table in this file")
+    arguments = parser.parse_args(argv)
+    if arguments.write:
+        path = Path(arguments.write)
+        path.write_text(registry.render_document(path.read_text(encoding="utf-8"), FIXES), "utf-8")
+    else:
+        print(registry.markdown(FIXES), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,8 +3,8 @@
 Each fix module ends with its ``FIX = Fix(...)``; :data:`safelens_tl.fixes_registry.FIXES` is the
 one ordered list of them. The plugins ask :func:`build` for the patches of the records triggered
 by one module's import; ``status()`` asks :func:`states` what became of each record, and
-``python -m safelens_tl.registry --write docs/fixes.md`` regenerates that file's table of fixes
-from the records (``tests/test_registry.py`` fails while the committed table is stale).
+``python -m safelens_tl.fixes_registry --write docs/fixes.md`` regenerates that file's table of
+fixes from the records (``tests/test_registry.py`` fails while the committed table is stale).
 
 Several records may change the same method (``TransformerBridge.generate`` has three fixes): each
 contributes a :class:`Wrap`, and :func:`build` composes the contributions to one attribute into
@@ -308,7 +308,9 @@ def markdown(fixes: Iterable[Fix]) -> str:
 
 
 #: Where the generated table starts and ends in ``docs/fixes.md`` (the text around it is kept).
-BEGIN = "<!-- generated from safelens_tl/fixes_registry.py: python -m safelens_tl.registry -->"
+BEGIN = (
+    "<!-- generated from safelens_tl/fixes_registry.py: python -m safelens_tl.fixes_registry -->"
+)
 END = "<!-- end of the generated table -->"
 
 
@@ -317,26 +319,3 @@ def render_document(current: str, fixes: Iterable[Fix]) -> str:
     head, _, rest = current.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return f"{head}{BEGIN}\n\n{markdown(fixes)}\n{END}{tail}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m safelens_tl.registry [--markdown | --write PATH]``."""
-    import argparse
-    from pathlib import Path
-
-    from safelens_tl.fixes_registry import FIXES
-
-    parser = argparse.ArgumentParser(prog="python -m safelens_tl.registry")
-    parser.add_argument("--markdown", action="store_true", help="print the table (the default)")
-    parser.add_argument("--write", metavar="PATH", help="regenerate the table in this file")
-    arguments = parser.parse_args(argv)
-    if arguments.write:
-        path = Path(arguments.write)
-        path.write_text(render_document(path.read_text(encoding="utf-8"), FIXES), "utf-8")
-    else:
-        print(markdown(FIXES), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -123,7 +123,7 @@ def test_a_release_fix_out_of_range_says_so(patched: safelens_tl.activation.Stat
 
 def test_the_docs_table_is_generated_from_the_registry() -> None:
     """``docs/fixes.md``'s table is the registry's; regenerate it with
-    ``python -m safelens_tl.registry --write docs/fixes.md``."""
+    ``python -m safelens_tl.fixes_registry --write docs/fixes.md``."""
     current = DOCS.read_text("utf-8")
     assert registry.BEGIN in current and registry.END in current
     assert registry.render_document(current, FIXES) == current
