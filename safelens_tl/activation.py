@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from safelens_tl import _startup, patching
+from safelens_tl import _import_hooks, patching
 from safelens_tl.plugins import Failure
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def activate() -> Status:
             callback = functools.partial(_install_deferred, batch)
             _state.waiting.append((batch.module, callback))
             # Calls back at once when the module is imported already (it then publishes itself).
-            _startup.when_imported(batch.module, callback)
+            _import_hooks.when_imported(batch.module, callback)
         return _publish(_state.report.failures)
 
 
@@ -297,7 +297,7 @@ def deactivate() -> Status:
         _state.installed.clear()
         _state.claimed.clear()
         for module, callback in _state.waiting:
-            _startup.cancel(module, callback)
+            _import_hooks.cancel(module, callback)
         _state.waiting.clear()
         _state.active = False
         report = _publish(failures)
