@@ -3,7 +3,8 @@
 
 Which fixes there are, and when each applies, is in the registry
 (:data:`safelens_tl.fixes_registry.HOOKED_FIXES`, one :class:`~safelens_tl.registry.Fix` per fix
-module); this plugin only asks it for the patches of ``import transformer_lens``.
+module); this plugin only asks it for the patches of ``import transformer_lens``. A new
+HookedTransformer fix is not wired here: its module's ``FIX`` record joins ``HOOKED_FIXES``.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ HOOKED_FIXES: tuple[Fix, ...] = (
     generate_reserve.FIX,
     hooked_alibi.FIX,
     hooked_moe_dtype.FIX,
-    # A further HookedTransformer fix is registered here with its module's FIX record (layer
-    # forwards come after the generate wrappers above; order matters only per attribute).
+    # hooked_weight_copies.FIX (the F.linear-style forwards of TL 3.x's MLP, Unembed and
+    # attention) goes here: one record, after the generate wrappers above; order matters only
+    # between records that wrap the same attribute.
 )
 
 #: TransformerBridge (``transformer_lens.model_bridge``, imported lazily by TransformerLens), and
