@@ -72,7 +72,7 @@ class Status:
         if self.fixes:
             lines.append("fixes:")
             width = max(len(fix.id) for fix in self.fixes)
-            lines += [f"  {fix.id:<{width}}  {fix.state:<13} {fix.reason}" for fix in self.fixes]
+            lines += [f"  {fix.id:<{width}}  {fix.state:<14} {fix.reason}" for fix in self.fixes]
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"failure: {failure}" for failure in self.failures]
         return "\n".join(lines)
