@@ -17,13 +17,15 @@ Here a floating mask wider than the scores is clamped to the scores' lowest fini
 that cast: a fully masked query attends evenly to its keys, as in Hugging Face's own forward, and
 nothing else changes (values that fit are cast as before). A mask already in the scores' dtype
 (no autocast: every float32, float16 and bfloat16 model) is passed through untouched, and so is
-compatibility mode's, which marks masked positions with -inf on purpose and zeroes fully masked
-rows after its softmax.
+compatibility mode's where the release's compatibility mode marks masked positions with -inf on
+purpose and zeroes fully masked rows after its softmax (3.9 on). TransformerLens 3.0's
+compatibility mode masks as the default mode does, and is saturated like it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +54,10 @@ def saturated(attention_mask: Any, scores_dtype: torch.dtype) -> Any:
 def saturating_the_mask(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``AttentionBridge._apply_reconstruct_attention_mask`` so that a float32 mask added
     to half-precision scores saturates (see the module docstring)."""
+    # Whether the release's own method treats compatibility mode apart (its -inf masking):
+    # read from the names its code looks up, which needs no source file.
+    code = getattr(inspect.unwrap(original), "__code__", None)
+    compatibility_apart = code is None or "compatibility_mode" in code.co_names
 
     @functools.wraps(original)
     def _apply_reconstruct_attention_mask(
@@ -61,7 +67,7 @@ def saturating_the_mask(original: Callable[..., Any]) -> Callable[..., Any]:
         seq_len: int,
         q_seq_len: int | None = None,
     ) -> torch.Tensor:
-        if not getattr(self, "compatibility_mode", False):
+        if not (compatibility_apart and getattr(self, "compatibility_mode", False)):
             attention_mask = saturated(attention_mask, attn_scores.dtype)
         result: torch.Tensor = original(self, attn_scores, attention_mask, seq_len, q_seq_len)
         return result

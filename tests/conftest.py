@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,8 +220,21 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"[{_ENVIRONMENT}] {versions}"
 
 
+def _skip_reason(report: Any) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return str(reason).removeprefix("Skipped: ")
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line per environment with its counts: ``[tl300] 352 passed, 6 skipped, 0 failed``."""
+    """Skips summarised by reason, most frequent first (one line each, not one per test);
+    under tox, one line per environment with its counts: ``[tl300] 352 passed, 6 skipped, 0
+    failed``."""
+    reasons = Counter(_skip_reason(report) for report in terminalreporter.stats.get("skipped", []))
+    if reasons:
+        terminalreporter.write_sep("-", f"{sum(reasons.values())} skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")
     if _ENVIRONMENT is None:
         return
     counts = {

@@ -114,6 +114,15 @@ class _Attention:
 def _original(
     self: _Attention, attn_scores: Any, attention_mask: Any, seq_len: int, *rest: Any
 ) -> Any:
+    """As 3.9 and later: compatibility mode masks apart (with -inf)."""
+    _ = self.compatibility_mode
+    return attention_mask
+
+
+def _original_without_compatibility_apart(
+    self: _Attention, attn_scores: Any, attention_mask: Any, seq_len: int, *rest: Any
+) -> Any:
+    """As 3.0: compatibility mode masks as the default mode does."""
     return attention_mask
 
 
@@ -123,4 +132,15 @@ def test_compatibility_mode_s_mask_reaches_the_original_unchanged() -> None:
     mask = torch.full((1, 1, 2, 2), torch.finfo(torch.float32).min)
     assert wrapped(_Attention(compatibility_mode=True), scores, mask, 2) is mask
     clamped = wrapped(_Attention(compatibility_mode=False), scores, mask, 2)
+    assert float(clamped.min()) == torch.finfo(torch.bfloat16).min
+
+
+def test_compatibility_mode_that_masks_as_the_default_mode_is_saturated_too() -> None:
+    """A release whose compatibility mode masks as its default mode (3.0) gets the saturated
+    mask in both modes: its fully masked rows would otherwise softmax to NaN."""
+    wrapped = bridge_mask_dtype.saturating_the_mask(_original_without_compatibility_apart)
+    scores = torch.zeros(1, 1, 2, 2, dtype=torch.bfloat16)
+    mask = torch.full((1, 1, 2, 2), torch.finfo(torch.float32).min)
+    for compatibility_mode in (True, False):
+        clamped = wrapped(_Attention(compatibility_mode), scores, mask, 2)
     assert float(clamped.min()) == torch.finfo(torch.bfloat16).min

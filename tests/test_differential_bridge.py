@@ -123,7 +123,7 @@ def test_patched_is_stock_unless_stock_is_wrong(point: dict[str, Any]) -> None:
 
 
 def test_the_sample_covers_every_axis_value() -> None:
-    """The sample is no narrower than the grid: each value of each axis is drawn."""
+    """The sample is no narrower than the grid: each value of each axis is in it."""
     for axis, values in AXES.items():
-        drawn = {point[axis] for point in POINTS}
-        assert drawn == set(values), (axis, drawn)
+        sampled = {point[axis] for point in POINTS}
+        assert sampled == set(values), (axis, sampled)

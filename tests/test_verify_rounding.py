@@ -6,7 +6,7 @@ that is 1% off moves a tiny model's logits by less than that. The verdict holds 
 twice Hugging Face's own cached-against-uncached error on the same checkpoint, once the same
 checkpoint in float32 shows the cached path exact; a cache 1% off still fails, on the built-in
 models and on a deep one. The deep model: a 24-layer Llama with grouped-query attention (6 query
-and 2 key-value heads), random weights drawn wide enough (std 0.1) to round as a trained model.
+and 2 key-value heads), random weights wide enough (std 0.1) to round as a trained model.
 """
 
 from __future__ import annotations

@@ -367,9 +367,17 @@ def _bridge_check(
         reference_tolerance = max(bridge.REFERENCE_TOLERANCES.get(dtype, tolerance), floor)
     rounding_note: str | None = None
     rounding_bound = bridge.OWN_ROUNDING_FACTOR * (own_rounding or 0.0)
-    errors = [bridge.worst_error(run.max_rel_err for run in runs)]
-    errors.append(bridge.worst_error(run.reference_rel_err for run in runs))
-    bounds = [tolerance, reference_tolerance if reference_tolerance is not None else math.inf]
+    hf_generate = [run.hf_generate_rel_err for run in runs if run.hf_generate_rel_err is not None]
+    errors = [
+        bridge.worst_error(run.max_rel_err for run in runs),
+        bridge.worst_error(run.reference_rel_err for run in runs),
+        bridge.worst_error(hf_generate) if hf_generate else 0.0,
+    ]
+    bounds = [
+        tolerance,
+        reference_tolerance if reference_tolerance is not None else math.inf,
+        tolerance,
+    ]
     if dtype != torch.float32 and any(
         not error <= bound and error <= max(bound, rounding_bound)
         for error, bound in zip(errors, bounds, strict=True)
