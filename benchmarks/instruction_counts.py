@@ -105,24 +105,24 @@ def count_generations(
     """Count ``rounds`` generations of each shape as ``variant|prompt+new``, in one state
     throughout: safelens-tl active from before the model is built (``variant`` "patched") or
     never, as in a user's process."""
-    import kv_cache  # the benchmark's own helpers; this script's folder is on sys.path
+    import generation  # the benchmarks' shared helpers; this script's folder is on sys.path
     import torch
 
     from safelens_tl.verify.models import build_model
 
     if variant not in VARIANTS:
         raise ValueError(f"count_generations: expected a variant in {VARIANTS}; got {variant!r}")
-    with kv_cache.patched(variant == "patched"):
+    with generation.patched(variant == "patched"):
         model = build_model(model_name, torch.float32)
         for prompt, new in generations:
-            tokens = kv_cache._tokens(model, prompt, 1)
+            tokens = generation.prompt_tokens(model, prompt, 1)
             for _ in range(WARM_UPS):
-                kv_cache.greedy_generate(model, tokens, new)
+                generation.greedy_generate(model, tokens, new)
             for _ in range(rounds):
                 gc.collect()
                 gc.disable()  # a collection inside one count and not another is noise
                 counter.safelens_count_start()
-                kv_cache.greedy_generate(model, tokens, new)
+                generation.greedy_generate(model, tokens, new)
                 counter.safelens_count_stop(f"{variant}|{prompt}+{new}".encode())
                 gc.enable()
 

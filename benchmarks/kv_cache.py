@@ -23,13 +23,18 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
 import torch
+
+# Shared with instruction_counts.py; kv_cache.patched and kv_cache.greedy_generate stay the names
+# the other benchmarks (and a spy in the tests) use.
+from generation import greedy_generate as greedy_generate
+from generation import patched as patched
+from generation import prompt_tokens
 
 import safelens_tl
 from safelens_tl import kv_cache, kv_storage, targets
@@ -166,29 +171,6 @@ class Results:
     autocast: dict[str, Any] = field(default_factory=dict)
     bridge: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-@contextmanager
-def patched(on: bool) -> Iterator[None]:
-    """Run the block with safelens-tl active (``on``) or with stock TransformerLens.
-
-    Raises ``RuntimeError`` when safelens-tl does not activate (run from a source tree that was
-    never installed, it finds no plugins and only warns): what ran would be stock, reported as
-    patched, and the sweeps hide warnings.
-    """
-    if on:
-        status = safelens_tl.activate()
-        if not status.active:
-            reasons = "; ".join(failure.message for failure in status.failures) or "no patches"
-            raise RuntimeError(
-                f"safelens-tl did not activate, so nothing would be patched: {reasons}"
-            )
-    else:
-        safelens_tl.deactivate()
-    try:
-        yield
-    finally:
-        safelens_tl.deactivate()
 
 
 def best_of(
@@ -557,23 +539,13 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
 
 
 def _tokens(model: Any, prompt: int, batch: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1)
-    # Skip the special tokens (ids 0-3) so no prompt holds padding or EOS.
-    tokens = torch.randint(4, int(model.cfg.d_vocab), (batch, prompt), generator=generator)
-    return tokens.to(DEVICE)
+    return prompt_tokens(model, prompt, batch, DEVICE)
 
 
 #: How a generation is timed: wall-clock seconds, or this process's CPU seconds (all threads),
 #: which other processes on a shared machine disturb less; with ``--threads 1`` it is the
 #: steadier measure of the two.
 CLOCKS: dict[str, Callable[[], float]] = {"wall": now, "cpu": time.process_time}
-
-
-def greedy_generate(model: Any, tokens: torch.Tensor, new: int) -> Any:
-    """One greedy cached generation of exactly ``new`` tokens, as every timed section runs it."""
-    return model.generate(
-        tokens, max_new_tokens=new, do_sample=False, stop_at_eos=False, verbose=False
-    )
 
 
 def time_generate(

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from safelens_tl import _startup, patching
+from safelens_tl import _import_hooks, patching
 from safelens_tl.plugins import Failure
+
+if TYPE_CHECKING:
+    from safelens_tl.registry import FixState
 
 logger = logging.getLogger("safelens_tl")
 # A library logs to its own logger and leaves output to the application: without a handler,
@@ -42,6 +46,9 @@ class Status:
     pending: tuple[str, ...] = field(default_factory=tuple)
     #: Worth knowing, not a failure (e.g. a TransformerLens recognised by its classes); warned.
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: Every fix of the registry (:mod:`safelens_tl.fixes_registry`): whether it applies to this
+    #: install and why, and whether it is installed, pending on an import, or failed.
+    fixes: tuple[FixState, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-serialisable data."""
@@ -51,7 +58,24 @@ class Status:
         data["pending"] = list(self.pending)
         data["notes"] = list(self.notes)
         data["failures"] = [asdict(f) for f in self.failures]
+        data["fixes"] = [asdict(f) for f in self.fixes]
         return data
+
+    def __str__(self) -> str:
+        release = self.transformer_lens or "not installed"
+        lines = [
+            f"safelens-tl {'active' if self.active else 'inactive'} "
+            f"(TransformerLens {release}, layout {self.layout or '-'}): "
+            f"{len(self.patched)} attributes patched"
+        ]
+        lines += [f"  waits for import: {module}" for module in self.pending]
+        if self.fixes:
+            lines.append("fixes:")
+            width = max(len(fix.id) for fix in self.fixes)
+            lines += [f"  {fix.id:<{width}}  {fix.state:<14} {fix.reason}" for fix in self.fixes]
+        lines += [f"note: {note}" for note in self.notes]
+        lines += [f"failure: {failure}" for failure in self.failures]
+        return "\n".join(lines)
 
 
 class _State:
@@ -137,8 +161,25 @@ def _publish(failures: Iterable[Failure], base: Status | None = None) -> Status:
         failures=tuple(failures),
         pending=tuple(dict.fromkeys(module for module, _ in _state.waiting)),
         notes=base.notes,
+        fixes=_fix_states(),
     )
     return _state.report
+
+
+def _fix_states() -> tuple[FixState, ...]:
+    """Each registry record's state, once the built-in plugins have loaded the registry.
+
+    Read from ``sys.modules``, never imported here: the registry imports every fix module (and
+    torch), which a report before TransformerLens is imported must not pay for.
+    """
+    registry = sys.modules.get("safelens_tl.registry")
+    fixes = getattr(sys.modules.get("safelens_tl.fixes_registry"), "FIXES", None)
+    if registry is None or fixes is None:
+        return ()
+    pending = [module for module, _ in _state.waiting]
+    installed = [i.patch for i in _state.installed]
+    states: tuple[FixState, ...] = registry.states(fixes, installed, pending, _state.active)
+    return states
 
 
 def activate() -> Status:
@@ -163,7 +204,7 @@ def activate() -> Status:
             callback = functools.partial(_install_deferred, batch)
             _state.waiting.append((batch.module, callback))
             # Calls back at once when the module is imported already (it then publishes itself).
-            _startup.when_imported(batch.module, callback)
+            _import_hooks.when_imported(batch.module, callback)
         return _publish(_state.report.failures)
 
 
@@ -256,7 +297,7 @@ def deactivate() -> Status:
         _state.installed.clear()
         _state.claimed.clear()
         for module, callback in _state.waiting:
-            _startup.cancel(module, callback)
+            _import_hooks.cancel(module, callback)
         _state.waiting.clear()
         _state.active = False
         report = _publish(failures)

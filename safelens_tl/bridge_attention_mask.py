@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 
 def is_padding_row_mask(attention_mask: Any, queries: int) -> bool:
     """Whether ``attention_mask`` is 4-D with a single query row, met with several queries."""
@@ -61,3 +64,29 @@ def keeping_the_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return _apply_reconstruct_attention_mask
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [
+        Wrap(
+            context.bridge.attention_class,
+            "_apply_reconstruct_attention_mask",
+            keeping_the_causal_mask,
+            "attention masks",
+            "a forward with an attention_mask may attend to later positions in models whose mask "
+            "marks only padding (OpenAI GPT)",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_attention_mask",
+    symptom="OpenAI GPT through TransformerBridge: a forward with an attention_mask attends to "
+    "later positions",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="a padding-row mask keeps the causal mask",
+    applies=lambda context: (True, "the attention bridge masks reconstructed attention"),
+    patches=_patches,
+    test_module="tests/test_bridge_attention_mask.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

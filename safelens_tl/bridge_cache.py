@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from safelens_tl import targets
+from safelens_tl.patching import Patch
+from safelens_tl.plugins import Failure
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The names TransformerLens's bridges read the KV cache from.
 OLD_NAMES = ("past_key_values", "layer_past")
@@ -283,3 +286,64 @@ def _cache_of(output: Any) -> Any:
 def output_alias() -> property:
     """``past_key_values`` as a read-only alias of ``cache`` on model outputs."""
     return property(_cache_of, doc="The model's KV cache (alias of ``cache``).")
+
+
+def _renamed() -> bool:
+    return attention_cache_argument() == NEW_NAME
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if _renamed():
+        return True, "transformers passes the KV cache as `cache`"
+    if not reads_layer_past(context.bridge.attention_class.__dict__.get("_update_kv_cache")):
+        return True, "the attention bridge does not read `layer_past`"
+    return False, "transformers passes past_key_values, which TransformerLens reads"
+
+
+def _patches(context: Context) -> Iterator[Patch | Wrap | Failure]:
+    bridge = context.bridge
+    yield Wrap(
+        bridge.attention_class,
+        "_update_kv_cache",
+        reading_update_kv_cache,
+        "transformers compatibility",
+        "it cannot be taught the `cache` argument of this transformers, nor `layer_past`, "
+        "so its cached generation may ignore the cache",
+    )
+    if not _renamed():
+        return  # transformers passes past_key_values, which TransformerLens reads
+    consequence = (
+        "it cannot be taught the `cache` argument of this transformers, so its cached "
+        "generation may ignore the cache"
+    )
+    for owner in bridge.forward_cache_readers:
+        yield Wrap(owner, "forward", reading_forward, "transformers compatibility", consequence)
+    for owner, cached_path in bridge.state_cache_readers:
+        if callable(getattr(owner, cached_path, None)):
+            reader = functools.partial(reading_state_forward, cached_path=cached_path)
+            yield Wrap(owner, "forward", reader, "transformers compatibility", consequence)
+        else:
+            yield Failure(
+                context.source,
+                "transformers compatibility",
+                f"{owner.__module__}.{owner.__qualname__} has no {cached_path}; it cannot be "
+                f"taught the `cache` argument of this transformers, so its cached generation "
+                f"may start every step from an empty state",
+            )
+    output = targets.optional_class(targets.MODEL_OUTPUT_CLASS)
+    if output is not None and not hasattr(output, SHIM_OLD_NAME):
+        yield Patch(output, SHIM_OLD_NAME, output_alias())
+
+
+FIX = Fix(
+    id="bridge_cache",
+    symptom="cached TransformerBridge.generate and hf_generate silently wrong with transformers "
+    ">= 5.24 (and for Falcon, BLOOM, GPTBigCode on TransformerLens 3.0): each step attends to "
+    "itself alone",
+    affects=frozen({"transformer-lens": ">=3.0,<4.4"}),
+    remedy="the attention bridges read the cache under whichever name transformers passes",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_cache_argument.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
-from safelens_tl import bridge_cache
+from safelens_tl import bridge_cache, targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Keyword arguments of the reconstruction now running, until its head split has used them.
 _pending_arguments: ContextVar[dict[str, Any] | None] = ContextVar(
@@ -76,3 +77,51 @@ def splitting_into_the_cache(original: Callable[..., Any]) -> Callable[..., Any]
         return q, k, v, batch_size, seq_len, head_dim
 
     return _reshape_qkv_to_heads
+
+
+def _skipping(context: Context) -> list[type]:
+    return [
+        owner
+        for owner in context.bridge.reconstructing_attention_classes
+        if skips_the_cache(owner.__dict__.get("_reconstruct_attention"))
+    ]
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    skipping = _skipping(context)
+    if not skipping:
+        return False, "every reconstructing attention bridge writes the cache"
+    return True, f"{', '.join(owner.__qualname__ for owner in skipping)} never write the cache"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    skipping = _skipping(context)
+    consequence = "its cached generation attends to the current position alone"
+    wraps = [
+        Wrap(owner, "_reconstruct_attention", writing_the_cache, "KV cache", consequence)
+        for owner in skipping
+    ]
+    names = ", ".join(owner.__qualname__ for owner in skipping)
+    wraps.append(
+        Wrap(
+            context.bridge.attention_class,
+            "_reshape_qkv_to_heads",
+            splitting_into_the_cache,
+            "KV cache",
+            f"{names}: {consequence}",
+        )
+    )
+    return wraps
+
+
+FIX = Fix(
+    id="bridge_cache_writes",
+    symptom="Falcon (ALiBi) and MPT cached TransformerBridge generation attends to the current "
+    "position alone",
+    affects=frozen({"transformer-lens": ">=3.0,<4"}),
+    remedy="the cache is written at the head split, as TransformerLens 4.x does",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_cache_writes.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

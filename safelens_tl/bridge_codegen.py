@@ -33,8 +33,13 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+
 # The keyword transformers passes a layer's rotary embeddings under; CodeGen's from 5.24 on.
 from safelens_tl.bridge_rotary_dtype import EMBEDDINGS_ARGUMENT
+from safelens_tl.patching import Patch
+from safelens_tl.plugins import Failure
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The keyword the bridge looks positions up with; dropped once the rotation is done here.
 POSITIONS_ARGUMENT = "position_ids"
@@ -132,3 +137,53 @@ class HeadSizeScale:
                 f"{type(instance).__name__!r} object has no attribute 'scale_attn'"
             )
         return math.sqrt(head_dim)
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if context.module == targets.CODEGEN_MODULE:
+        return True, "Hugging Face's CodeGen attention is imported"
+    if context.bridge.codegen_attention_class is None:
+        return False, "this release has no CodeGen attention bridge"
+    return True, "the CodeGen attention bridge reads Hugging Face's rotary table"
+
+
+def _patches(context: Context) -> list[Patch | Wrap | Failure]:
+    if context.module == targets.CODEGEN_MODULE:
+        attention = targets.optional_class(targets.CODEGEN_ATTENTION_CLASS)
+        if attention is None:
+            return [
+                Failure(
+                    context.source,
+                    "CodeGen",
+                    f"expected {targets.CODEGEN_ATTENTION_CLASS}; CodeGen models may fail "
+                    "through TransformerBridge",
+                )
+            ]
+        if "scale_attn" in attention.__dict__:
+            return []
+        return [Patch(attention, "scale_attn", HeadSizeScale())]
+    owner = context.bridge.codegen_attention_class
+    assert owner is not None  # _applies said so
+    return [
+        Wrap(
+            owner,
+            "_reconstruct_attention",
+            rotating_with_model_embeddings,
+            "CodeGen",
+            "CodeGen models fail with transformers 5.24+, and in float16 and bfloat16",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_codegen",
+    symptom="CodeGen through TransformerBridge raises AttributeError with transformers 5.24+, "
+    "and a dtype mismatch in float16/bfloat16",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="the bridge rotates with the model's position embeddings; scale_attn is answered",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_codegen.py",
+    # Importing Hugging Face's CodeGen costs about 0.3 s, paid only by those who load CodeGen.
+    when_imported=(targets.BRIDGE_MODULE, targets.CODEGEN_MODULE),
+)

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 #: TransformerLens 4.x's config flag for Cohere's convention, and the one for GLM's.
 INTERLEAVED_FLAG, ADJACENT_PAIRS_FLAG = "rotary_interleaved_cos_sin", "rotary_adjacent_pairs"
 #: The keyword Hugging Face's decoder layers pass ``(cos, sin)`` under.
@@ -78,3 +81,38 @@ def rotating_cohere_in_pairs(original: Callable[..., Any]) -> Callable[..., Any]
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    rotary = context.bridge.rotary_attention_class
+    if rotary is None:
+        return False, "this release has no rotary attention bridge"
+    if not lacks_interleaved_rotary(rotary.__dict__.get("forward")):
+        return False, "the rotary attention bridge knows Cohere's rotation"
+    return True, "the rotary attention bridge rotates Cohere's pairs as Llama's"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    rotary = context.bridge.rotary_attention_class
+    assert rotary is not None  # _applies said so
+    return [
+        Wrap(
+            rotary,
+            "forward",
+            rotating_cohere_in_pairs,
+            "rotary attention",
+            "Cohere's rotary positions may be applied as Llama's",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_cohere_rotary",
+    symptom="Cohere and Cohere 2 through TransformerBridge give silently other logits",
+    affects=frozen({"transformer-lens": ">=3.9,<4"}),
+    remedy="Cohere's queries and keys are rotated in neighbouring pairs, as Hugging Face does",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_cohere_rotary.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

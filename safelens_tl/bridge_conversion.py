@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.patching import Patch
+from safelens_tl.registry import Context, Fix, frozen
+
 #: Buffer names of rotary position-embedding frequencies (Hugging Face rotary modules).
 ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
@@ -117,3 +121,21 @@ def converting(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return convert
+
+
+def _patches(context: Context) -> list[Patch]:
+    bridge = context.bridge.bridge_class
+    return [Patch(bridge, name, converting(getattr(bridge, name))) for name in ("to", "_apply")]
+
+
+FIX = Fix(
+    id="bridge_conversion",
+    symptom="bridge.half() / .bfloat16() leave cfg.dtype at float32, .to(device) records no "
+    "index, and a dtype conversion rounds the rotary frequencies",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="every conversion updates cfg.dtype and cfg.device and keeps inv_freq in float32",
+    applies=lambda context: (True, "TransformerBridge converts through to and _apply"),
+    patches=_patches,
+    test_module="tests/test_bridge_conversion.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -29,7 +29,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from safelens_tl import targets
 from safelens_tl.patching import Patch
+from safelens_tl.registry import Context, Fix, frozen
 
 #: The attribute whose absence marks a transformers that moved the functions to module level.
 CONVOLUTION = "causal_conv1d_fn"
@@ -71,3 +73,32 @@ def supplying_layer_functions(original: Callable[..., Any]) -> Callable[..., Any
         return original(self, *args, **kwargs)
 
     return _hooked_forward
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    gated_delta = context.bridge.gated_delta_net_class
+    if gated_delta is None:
+        return False, "this release has no GatedDeltaNetBridge"
+    if not reads_functions_from_the_layer(gated_delta.__dict__.get("_hooked_forward")):
+        return False, "GatedDeltaNetBridge finds transformers' kernels itself"
+    return True, "GatedDeltaNetBridge reads its kernels from Hugging Face's layer"
+
+
+def _patches(context: Context) -> list[Patch]:
+    gated_delta = context.bridge.gated_delta_net_class
+    assert gated_delta is not None  # _applies said so
+    original = gated_delta.__dict__["_hooked_forward"]
+    return [Patch(gated_delta, "_hooked_forward", supplying_layer_functions(original))]
+
+
+FIX = Fix(
+    id="bridge_gated_delta",
+    symptom="Qwen3-Next and Qwen3.5 through TransformerBridge without a cache raise "
+    "AttributeError (transformers 5.15+)",
+    affects=frozen({"transformer-lens": ">=3.0,<4", "transformers": ">=5.15"}),
+    remedy="the layer is handed the functions of its modeling file",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_gated_delta.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import bridge_hf_generate_mask, targets
 from safelens_tl.prompt_batches import RETURNS_TEXT, left_padded, mask_from_lengths, text_prompts
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Keyword arguments under which the loop hands a cached step its cache.
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
@@ -171,3 +173,38 @@ def generating_padded_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         ]
 
     return generate
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    generate = context.bridge.bridge_class.__dict__.get("generate")
+    if not callable(generate):
+        return False, "TransformerBridge defines no generate"
+    if not bridge_hf_generate_mask.drops_the_attention_mask(generate):
+        return False, "TransformerBridge.generate masks a padded batch itself"
+    return True, "TransformerBridge.generate runs a batch without an attention mask"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [
+        Wrap(
+            context.bridge.bridge_class,
+            "generate",
+            generating_padded_batch,
+            "generate options",
+            "prompts of different lengths may generate other text",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_generate_batch",
+    symptom="TransformerBridge.generate([...]) on prompts of different lengths silently "
+    "generates other text for the shorter ones",
+    affects=frozen({"transformer-lens": ">=3.0,<3.8"}),
+    remedy="the batch is padded on the left and masked at every step",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_generate_batch.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+    fixed_in="3.8.0",
+)

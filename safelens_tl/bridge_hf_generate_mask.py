@@ -24,6 +24,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 MASK = "attention_mask"
 #: ``return_type`` values under which ``hf_generate`` returns what Hugging Face returns.
 RETURNS_TOKENS = ("tokens",)
@@ -80,3 +83,30 @@ def passing_the_attention_mask(original: Callable[..., Any]) -> Callable[..., An
         return _decoded(tokenizer, outputs)
 
     return hf_generate
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    hf_generate = context.bridge.bridge_class.__dict__.get("hf_generate")
+    if not callable(hf_generate):
+        return False, "TransformerBridge defines no hf_generate"
+    if not drops_the_attention_mask(hf_generate):
+        return False, "TransformerBridge.hf_generate passes the batch's mask itself"
+    return True, "TransformerBridge.hf_generate drops the batch's attention mask"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [Wrap(context.bridge.bridge_class, "hf_generate", passing_the_attention_mask)]
+
+
+FIX = Fix(
+    id="bridge_hf_generate_mask",
+    symptom="TransformerBridge.hf_generate([...]) silently generates other tokens for every "
+    "prompt shorter than the longest",
+    affects=frozen({"transformer-lens": ">=3.0,<3.9"}),
+    remedy="the batch's attention mask is passed to Hugging Face's generate",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_hf_generate_mask.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+    fixed_in="3.9.0",
+)

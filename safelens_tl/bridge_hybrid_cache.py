@@ -16,6 +16,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 
 def model_s_own_cache(hf_model: Any) -> Any:
     """The cache Hugging Face's hybrid models build for themselves from transformers 5.23 on:
@@ -37,3 +40,35 @@ def falling_back_to_the_model_s_cache(original: Callable[..., Any]) -> Callable[
             return model_s_own_cache(hf_model)
 
     return create_stateful_cache
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if not context.bridge.stateful_cache_adapters:
+        return False, "no adapter of this release creates a stateful cache"
+    return True, "an adapter imports its cache class from transformers"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [
+        Wrap(
+            adapter,
+            "create_stateful_cache",
+            falling_back_to_the_model_s_cache,
+            "transformers compatibility",
+            "its cached generation may fail on a cache class this transformers lacks",
+        )
+        for adapter in context.bridge.stateful_cache_adapters
+    ]
+
+
+FIX = Fix(
+    id="bridge_hybrid_cache",
+    symptom="OLMo-Hybrid's cached TransformerBridge.generate raises ImportError "
+    "(OlmoHybridDynamicCache) with transformers 5.23+",
+    affects=frozen({"transformer-lens": ">=3.9,<5", "transformers": ">=5.23"}),
+    remedy="the adapter falls back to the cache the model builds",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_hybrid_cache.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 
 def saturated(attention_mask: Any, scores_dtype: torch.dtype) -> Any:
     """``attention_mask`` clamped to ``scores_dtype``'s lowest finite value when it is a floating
@@ -70,3 +73,28 @@ def saturating_the_mask(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return _apply_reconstruct_attention_mask
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [
+        Wrap(
+            context.bridge.attention_class,
+            "_apply_reconstruct_attention_mask",
+            saturating_the_mask,
+            "attention masks",
+            "padded rows may come out as NaN under autocast",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_mask_dtype",
+    symptom="under torch.autocast every left-padded row of a TransformerBridge batch generates "
+    "from NaN logits",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="a float32 mask saturates at the scores' dtype's minimum instead of becoming -inf",
+    applies=lambda context: (True, "the attention bridge masks reconstructed attention"),
+    patches=_patches,
+    test_module="tests/test_bridge_mask_dtype.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

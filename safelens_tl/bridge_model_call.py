@@ -28,7 +28,9 @@ from safelens_tl import (
     bridge_mrope_positions,
     bridge_positions,
     bridge_uncached_media,
+    targets,
 )
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 
 def adapting_model_call(
@@ -53,3 +55,40 @@ def adapting_model_call(
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _patches(context: Context) -> list[Wrap]:
+    bridge = context.bridge
+    if bridge.driver_class is not None:
+        owner, model_attribute, keep_old_name = bridge.driver_class, "underlying_model", False
+    else:  # TransformerLens 3.x hands the model its arguments from TransformerBridge.forward
+        owner, model_attribute, keep_old_name = bridge.bridge_class, "original_model", True
+    wrap = functools.partial(
+        adapting_model_call, model_attribute=model_attribute, keep_accepted_old_name=keep_old_name
+    )
+    return [
+        Wrap(
+            owner,
+            "forward",
+            wrap,
+            "transformers compatibility",
+            "the model may not get its cache under the name it takes, nor the positions of "
+            "stateful cached steps",
+        )
+    ]
+
+
+# One record for the call's adaptations (bridge_positions, bridge_mrope_positions, the cache's
+# name, the padded batch's step mask): they share one wrapper of one method.
+FIX = Fix(
+    id="bridge_model_call",
+    symptom="the Hugging Face model gets its cache under a name it ignores, or no positions "
+    "(Bamba: every token at position 0; Qwen-VL after an image: a size error)",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="the call into the model passes the cache under the model's name and the positions "
+    "of each cached step",
+    applies=lambda context: (True, "TransformerBridge calls the model with its own arguments"),
+    patches=_patches,
+    test_module="tests/test_bridge_generate_flows.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 #: The keyword Hugging Face's decoder layers pass ``(cos, sin)`` under.
 EMBEDDINGS_ARGUMENT = "position_embeddings"
 #: Bridge config flags selecting TransformerLens's own rotations, which cast back by themselves.
@@ -72,3 +75,36 @@ def rotating_in_model_dtype(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if context.bridge.rotary_attention_class is None:
+        return False, "this release has no rotary attention bridge"
+    return True, "the rotary attention bridge rotates with Llama's function"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    rotary = context.bridge.rotary_attention_class
+    assert rotary is not None  # _applies said so
+    return [
+        Wrap(
+            rotary,
+            "forward",
+            rotating_in_model_dtype,
+            "rotary attention",
+            "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_rotary_dtype",
+    symptom="OLMo-family models in float16/bfloat16 through TransformerBridge fail with a dtype "
+    "mismatch, or keep a float32 KV cache",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="rotary queries and keys stay in the model's dtype",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_rotary_dtype.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

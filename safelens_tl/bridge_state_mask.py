@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from safelens_tl import bridge_cache
+from safelens_tl import bridge_cache, targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The keyword the Hugging Face mixers take the mask under.
 MASK_ARGUMENT = "attention_mask"
@@ -85,3 +86,50 @@ def trimming_mask_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a state-space mixer bridge's ``forward``: a mask longer than the input is cut to the
     input's positions (its last columns)."""
     return adapting_mixer_forward(original, trims_mask=True, keeps_eager_scan_uncached=False)
+
+
+def _mixers(context: Context) -> tuple[list[type], tuple[type, ...]]:
+    """Every mixer to adapt, and those whose eager scan is kept to calls without a cache (where
+    transformers passes it as ``cache``)."""
+    bridge = context.bridge
+    renamed = bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
+    eager = bridge.eager_scan_mixers if renamed else ()
+    return list(dict.fromkeys((*bridge.state_space_mixers, *eager))), eager
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if not _mixers(context)[0]:
+        return False, "this release has no state-space mixer bridge to adapt"
+    return True, "state-space mixers get the whole running mask"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    mixers, eager = _mixers(context)
+    # One wrapper of the original for whichever adaptations apply: one patch per method.
+    return [
+        Wrap(
+            mixer,
+            "forward",
+            functools.partial(
+                adapting_mixer_forward,
+                trims_mask=mixer in context.bridge.state_space_mixers,
+                keeps_eager_scan_uncached=mixer in eager,
+            ),
+            "state-space mixers",
+            "its cached generation may be wrong (for a batch of prompts, or with eager_scan=True)",
+        )
+        for mixer in mixers
+    ]
+
+
+FIX = Fix(
+    id="bridge_state_mask",
+    symptom="cached TransformerBridge.generate silently wrong on Mamba and FalconMamba for a "
+    "batch of prompts (a single prompt too with transformers 5.24)",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="state-space mixers get the mask of the positions they run",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_state_space.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -31,6 +31,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 #: ``generate``'s arguments that TransformerLens's fallback to ``hf_generate`` may drop.
 STOP_AT_EOS, RETURN_TYPE, REPETITION_PENALTY = "stop_at_eos", "return_type", "repetition_penalty"
 FREQ_PENALTY, DO_SAMPLE = "freq_penalty", "do_sample"
@@ -145,3 +148,31 @@ def _fill_in(
         generation_kwargs = dict(arguments.get(extra, {}))
         generation_kwargs.setdefault(REPETITION_PENALTY, options.repetition_penalty)
         arguments[extra] = generation_kwargs
+
+
+def _patches(context: Context) -> list[Wrap]:
+    bridge = context.bridge.bridge_class
+    return [
+        Wrap(
+            bridge,
+            "generate",
+            recording_generate_options,
+            "generate options",
+            "an uncached generate of a state-space model may drop stop_at_eos, return_type and "
+            "repetition_penalty",
+        ),
+        Wrap(bridge, "hf_generate", honouring_generate_options),
+    ]
+
+
+FIX = Fix(
+    id="bridge_stateful_generate",
+    symptom="an uncached TransformerBridge.generate of a state-space model drops stop_at_eos, "
+    "repetition_penalty and return_type",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="the options are kept on their way to hf_generate and honoured there",
+    applies=lambda context: (True, "TransformerBridge hands uncached state-space runs on"),
+    patches=_patches,
+    test_module="tests/test_bridge_stateful_generate.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -29,8 +29,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache
+from safelens_tl import bridge_cache, targets
 from safelens_tl.patching import Patch
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 SOURCE = "safelens_tl.bridge_plugin"
 OLD_NAME = bridge_cache.SHIM_OLD_NAME
@@ -130,3 +131,40 @@ def reading_block_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
+        return False, "transformers passes past_key_values, which the T5 block reads"
+    t5_block = context.bridge.t5_block_class
+    if t5_block is None or not hands_sublayers_the_cache(t5_block):
+        return False, "this release has no T5 block forward that hands on past_key_values"
+    return True, "the T5 block forward ignores the cache passed as `cache`"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    t5_block = context.bridge.t5_block_class
+    assert t5_block is not None  # _applies said so
+    return [
+        Wrap(
+            t5_block,
+            "forward",
+            reading_block_forward,
+            "transformers compatibility",
+            "it cannot be taught the `cache` argument of this transformers, so its cached "
+            "generation may ignore the cache",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_t5_block",
+    symptom="T5, mT5 and LongT5 through TransformerBridge.hf_generate silently other tokens with "
+    "the cache (transformers 5.24+)",
+    affects=frozen({"transformer-lens": ">=4.0,<5", "transformers": ">=5.24"}),
+    remedy="the block reads the cache under `cache` and hands it to its sublayers",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_t5_block.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

@@ -40,8 +40,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache, bridge_t5_block
+from safelens_tl import bridge_cache, bridge_t5_block, targets
 from safelens_tl.patching import Patch
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 SOURCE = "safelens_tl.bridge_plugin"
 #: What TransformerLens 3.x's block forward takes, and transformers 4's sublayers took.
@@ -169,3 +170,38 @@ def handing_sublayers_the_cache(original: Callable[..., Any]) -> Callable[..., A
         return in_hugging_face_layout(block, output)
 
     return forward
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    t5_block = context.bridge.t5_block_class
+    if t5_block is None or not builds_a_legacy_forward(t5_block):
+        return False, "this release's T5 block forward is not transformers 4's"
+    return True, "the T5 block forward never hands on a transformers 5 cache"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    t5_block = context.bridge.t5_block_class
+    assert t5_block is not None  # _applies said so
+    # Whatever transformers 5 calls the cache, this block forward never hands it on.
+    return [
+        Wrap(
+            t5_block,
+            "forward",
+            handing_sublayers_the_cache,
+            "transformers compatibility",
+            "its T5-family decoders may ignore the cache, or fail, with transformers 5",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_t5_legacy_block",
+    symptom="T5 and mT5 through TransformerLens 3.x's TransformerBridge with transformers 5: "
+    "the cache never reaches the attention, or an error",
+    affects=frozen({"transformer-lens": ">=3.0,<4", "transformers": ">=5"}),
+    remedy="the block hands its sublayers the cache under transformers 5's name",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_bridge_t5_block.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

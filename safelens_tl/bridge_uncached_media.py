@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from safelens_tl import bridge_positions
+from safelens_tl import bridge_positions, targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Inputs with one column per token, and how Hugging Face's ``generate`` extends them by one
 #: generated token: ``True`` with zeros (a text token), ``False`` with the last column.
@@ -132,3 +133,28 @@ def restore_media(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for name, value in media.values.items():
         if kwargs.get(name) is None:
             kwargs[name] = _extended(name, value, new_tokens)
+
+
+def _patches(context: Context) -> list[Wrap]:
+    return [
+        Wrap(
+            context.bridge.bridge_class,
+            "generate",
+            passing_media_at_every_step,
+            "generate options",
+            "an uncached generate from an image or a sound sees it at its first step only",
+        )
+    ]
+
+
+FIX = Fix(
+    id="bridge_uncached_media",
+    symptom="an uncached TransformerBridge.generate from an image or a sound sees it at its "
+    "first step only",
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
+    remedy="the media are passed at every uncached step",
+    applies=lambda context: (True, "TransformerBridge.generate passes media once"),
+    patches=_patches,
+    test_module="tests/test_bridge_uncached_media.py",
+    when_imported=(targets.BRIDGE_MODULE,),
+)

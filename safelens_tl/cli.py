@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         arguments = parser.parse_args(argv)
     except SystemExit as exit_request:  # argparse exits 2 on usage errors, 0 on --help
         return int(exit_request.code or 0)
+    # Reports give the whole wall time, this process's imports included.
+    arguments.started = STARTED
     code: int = arguments.run(arguments)
     return code
 

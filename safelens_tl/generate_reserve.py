@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from safelens_tl import kv_storage
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 
 def positions_ahead(
@@ -200,3 +201,30 @@ def reserving_generate_stream(original: Callable[..., Any]) -> Callable[..., Any
         return (yield from _reserved_while_running(stream, ahead))
 
     return generate_stream
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if context.layout.model_class() is None:
+        return False, "this release has no HookedTransformer"
+    return True, "HookedTransformer.generate can size the cache once"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    model = context.layout.model_class()
+    assert model is not None  # _applies said so
+    # generate_stream exists from TL 3.9 on; a Wrap without an area skips a missing method.
+    return [
+        Wrap(model, "generate", reserving_generate),
+        Wrap(model, "generate_stream", reserving_generate_stream),
+    ]
+
+
+FIX = Fix(
+    id="generate_reserve",
+    symptom="a cached HookedTransformer.generate regrows every layer's cache as it goes",
+    affects=frozen({"transformer-lens": ">=2.0,<4"}),
+    remedy="generate and generate_stream reserve each layer's cache at prompt + max_new_tokens",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_generate.py",
+)

@@ -24,7 +24,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import activation
+from safelens_tl import activation, targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: TransformerLens's name for the positional embedding this fixes.
 ALIBI = "alibi"
@@ -81,3 +82,28 @@ def fitting_alibi(original: Callable[..., None]) -> Callable[..., None]:
             self.register_forward_pre_hook(fit_alibi, with_kwargs=True)
 
     return __init__
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if context.layout.model_class() is None:
+        return False, "this release has no HookedTransformer"
+    if targets.optional_class(targets.HOOKED_ATTENTION_CLASS) is None:
+        return False, f"this release has no {targets.HOOKED_ATTENTION_CLASS}"
+    return True, f"this release builds {targets.HOOKED_ATTENTION_CLASS.rsplit('.', 1)[-1]} layers"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    owner = targets.optional_class(targets.HOOKED_ATTENTION_CLASS)
+    return [] if owner is None else [Wrap(owner, "__init__", fitting_alibi)]
+
+
+FIX = Fix(
+    id="hooked_alibi",
+    symptom="HookedTransformer Bloom (ALiBi) in float16/bfloat16 gives other logits after a "
+    "longer forward",
+    affects=frozen({"transformer-lens": ">=2.0,<4"}),
+    remedy="each forward adds the ALiBi bias of its own length",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_hooked_alibi.py",
+)

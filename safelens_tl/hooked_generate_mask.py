@@ -45,7 +45,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
 from safelens_tl.prompt_batches import RETURNS_TEXT, mask_from_lengths
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
 LEARNED_POSITIONS = ("standard", "shortformer")
@@ -286,3 +288,37 @@ def masked_step_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         return forward(self, *args, **kwargs)
 
     return masked
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if not targets.hooked_generate_masks_no_padding(context.release):
+        return False, f"TransformerLens {context.release} masks generate's padding itself"
+    return True, f"TransformerLens {context.release} builds generate's step mask from zeros"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    model = context.layout.model_class()
+    original = None if model is None else model.__dict__.get("generate")
+    if model is None or not callable(original):
+        return []
+    return [
+        # Outermost: the reservation then sees the tokens a list was turned into.
+        Wrap(model, "generate", lambda inner: masking_generate(inner, original)),
+        Wrap(model, "get_residual", masked_step_residual),
+        Wrap(model, "forward", masked_step_forward),
+    ]
+
+
+FIX = Fix(
+    id="hooked_generate_mask",
+    symptom="HookedTransformer.generate on prompts of different lengths (or learned positions "
+    "with pad token id 0) silently generates other text",
+    affects=frozen({"transformer-lens": ">=2.13,<3.1"}),
+    remedy="generate builds each step's mask from the prompts, padded on the left, as 3.1 does",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_hooked_generate_mask.py",
+    detector="release",
+    upstream="https://github.com/TransformerLensOrg/TransformerLens/issues/1005",
+    fixed_in="3.1.0",
+)

@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 
 @dataclass
 class Generating:
@@ -99,3 +102,34 @@ def unmasked_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
         return forward(self, *args, **kwargs)
 
     return unmasked
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if not targets.hooked_generate_passes_its_mask(context.release):
+        return False, f"TransformerLens {context.release} passes no all-ones mask to forward"
+    return True, f"TransformerLens {context.release} passes an all-ones mask at every step"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    model = context.layout.model_class()
+    original = None if model is None else model.__dict__.get("generate")
+    if model is None or not callable(original):
+        return []
+    return [
+        Wrap(model, "generate", lambda inner: marking_generate(inner, original)),
+        Wrap(model, "get_residual", recording_residual),
+        Wrap(model, "forward", unmasked_forward),
+    ]
+
+
+FIX = Fix(
+    id="hooked_generate_ones_mask",
+    symptom="HookedTransformer.generate does masked attention work at every step where nothing "
+    "is padded",
+    affects=frozen({"transformer-lens": ">=3.1,<4"}),
+    remedy="an all-ones step mask is left out of forward (the same numbers, bitwise)",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_hooked_generate_ones_mask.py",
+    detector="release",
+)

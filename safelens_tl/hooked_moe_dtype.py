@@ -19,7 +19,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from safelens_tl import targets
 from safelens_tl.kv_cache import resolve_dtype
+from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 
 def in_model_dtype(original: Callable[..., None]) -> Callable[..., None]:
@@ -33,3 +35,27 @@ def in_model_dtype(original: Callable[..., None]) -> Callable[..., None]:
             self.to(dtype=dtype)
 
     return __init__
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if context.layout.model_class() is None:
+        return False, "this release has no HookedTransformer"
+    if targets.optional_class(targets.HOOKED_MOE_CLASS) is None:
+        return False, f"this release has no {targets.HOOKED_MOE_CLASS}"
+    return True, f"this release builds {targets.HOOKED_MOE_CLASS.rsplit('.', 1)[-1]} layers"
+
+
+def _patches(context: Context) -> list[Wrap]:
+    owner = targets.optional_class(targets.HOOKED_MOE_CLASS)
+    return [] if owner is None else [Wrap(owner, "__init__", in_model_dtype)]
+
+
+FIX = Fix(
+    id="hooked_moe_dtype",
+    symptom="HookedTransformer Mixtral or OLMoE loaded in bfloat16 fails with a dtype mismatch",
+    affects=frozen({"transformer-lens": ">=2.0,<4"}),
+    remedy="mixture-of-experts layers are built in cfg.dtype",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_hooked_moe_dtype.py",
+)

@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 
+from safelens_tl import targets
+from safelens_tl.patching import Patch
+from safelens_tl.registry import Context, Fix, Wrap, frozen
+
 
 @dataclass
 class ZerosAnswer:
@@ -106,3 +110,35 @@ def answering_zeros(get_attention_mask: Callable[..., torch.Tensor]) -> Callable
         return record.answer(get_attention_mask, tokenizer, tokens, args[0])
 
     return attention_mask
+
+
+def _applies(context: Context) -> tuple[bool, str]:
+    if not targets.hooked_generate_masks_no_padding(context.release):
+        return False, f"TransformerLens {context.release} computes no mask of zeros"
+    return True, f"TransformerLens {context.release} computes a mask of zeros at every step"
+
+
+def _patches(context: Context) -> list[Patch | Wrap]:
+    patches: list[Patch | Wrap] = []
+    model = context.layout.model_class()
+    if model is not None:
+        patches.append(Wrap(model, "generate", remembering_generate))
+    utils = targets.optional_module(targets.HOOKED_UTILS_MODULE)
+    original_mask = None if utils is None else utils.__dict__.get("get_attention_mask")
+    if utils is not None and callable(original_mask):
+        patches.append(Patch(utils, "get_attention_mask", answering_zeros(original_mask)))
+    return patches
+
+
+FIX = Fix(
+    id="hooked_zeros_mask",
+    symptom="HookedTransformer.generate recomputes a mask of zeros at every step (4-6% of a "
+    "short generation)",
+    affects=frozen({"transformer-lens": ">=2.13,<3.1"}),
+    remedy="the mask of zeros is computed once per generate",
+    applies=_applies,
+    patches=_patches,
+    test_module="tests/test_hooked_zeros_mask.py",
+    detector="release",
+    fixed_in="3.1.0",
+)

@@ -30,6 +30,8 @@ class Patch:
     attribute: str
     replacement: object
     plugin: str = field(default="", compare=False)
+    #: Ids of the registry's records (:class:`safelens_tl.registry.Fix`) this patch serves.
+    fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def labelled(self, plugin: str) -> Patch:
         """This patch, credited to ``plugin`` unless it names its plugin already."""

@@ -178,10 +178,33 @@ def render(report: dict[str, Any]) -> None:
     # Piped or logged, a table at rich's default 80 columns would split class paths mid-word.
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200)
     console.print(table)
+    if activation.get("fixes"):
+        console.print(_fixes_table(activation["fixes"]))
     for note in activation["notes"]:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
     for problem in problems(report):
         console.print(f"[red]problem:[/red] {escape(problem)}")
+
+
+#: How each state of a fix is coloured in the table.
+_STATE_STYLES = {"installed": "green", "pending": "cyan", "failed": "red", "not applicable": "dim"}
+
+
+def _fixes_table(fixes: list[dict[str, Any]]) -> Any:
+    """Every fix of the registry: installed, pending on an import, failed, or not needed here."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="fixes", title_justify="left")
+    table.add_column("fix", style="bold")
+    table.add_column("state")
+    table.add_column("why", overflow="fold")
+    for fix in fixes:
+        style = _STATE_STYLES.get(fix["state"], "yellow")
+        table.add_row(
+            fix["id"], f"[{style}]{escape(fix['state'])}[/{style}]", escape(fix["reason"])
+        )
+    return table
 
 
 def run(arguments: argparse.Namespace) -> int:

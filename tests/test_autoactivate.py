@@ -31,8 +31,8 @@ from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "pluggy", "importlib.metadata", "transformer_lens")
-#: What the hook may import before transformer_lens: its own two modules and ``__future__``.
-STARTUP_MODULES = {"safelens_tl", "safelens_tl._startup", "__future__"}
+#: What the hook may import before transformer_lens: its own modules and ``__future__``.
+STARTUP_MODULES = {"safelens_tl", "safelens_tl._startup", "safelens_tl._import_hooks", "__future__"}
 MARK = "RESULT:"
 ENTRY_MODULE = LAYOUT.known.entry_path.rpartition(".")[0]
 

@@ -349,16 +349,16 @@ def test_an_instruction_count_child_keeps_one_state_throughout(
 ) -> None:
     """Each child counts one variant, never switching: every warm-up and counted generation
     runs in the same state, with the model built in it (switching biased the counts)."""
-    kv_cache = benchmark_module("kv_cache")
+    generation = benchmark_module("generation")
     instruction_counts = benchmark_module("instruction_counts")
     seen: list[bool] = []
-    original = kv_cache.greedy_generate
+    original = generation.greedy_generate
 
     def spy(model: Any, tokens: torch.Tensor, new: int) -> torch.Tensor:
         seen.append(safelens_tl.status().active)
         return original(model, tokens, new)
 
-    monkeypatch.setattr(kv_cache, "greedy_generate", spy)
+    monkeypatch.setattr(generation, "greedy_generate", spy)
     recorder = _StateRecorder()
     instruction_counts.count_generations(recorder, variant, [(1, 2), (2, 1)], rounds=2)
     on = variant == "patched"

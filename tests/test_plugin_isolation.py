@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import safelens_tl
-from safelens_tl import _startup
+from safelens_tl import _import_hooks, _startup
 from tests.conftest import RELEASE
 
 #: module name -> (source, what went wrong), one faulty distribution each.
@@ -242,13 +242,14 @@ AUTOMATIC_PATH = sorted(
     for path in PACKAGE.glob("*.py")
     if path.name not in {"cli.py", "status_command.py", "__main__.py"}
 )
-#: What the start-up module may import at all (module level or inside functions).
+#: What the start-up modules may import at all (module level or inside functions).
 STARTUP_IMPORTS = {
     "__future__",
     "_thread",  # built into the interpreter: a lock for the import watcher, no start-up cost
     "os",
     "sys",
     "safelens_tl",
+    "safelens_tl._import_hooks",
     "safelens_tl.activation",
     "safelens_tl.plugins",
     "warnings",
@@ -313,15 +314,17 @@ def _called_name(call: ast.Call) -> str:
 
 
 def test_startup_hook_executes_nothing_from_the_environment() -> None:
-    """No eval/exec/dynamic import in _startup.py; every import names a fixed, expected module."""
-    tree = ast.parse(Path(_startup.__file__).read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            assert _called_name(node) not in FORBIDDEN_CALLS, ast.unparse(node)
-        if isinstance(node, ast.Import):
-            assert {alias.name for alias in node.names} <= STARTUP_IMPORTS, ast.unparse(node)
-        if isinstance(node, ast.ImportFrom):
-            assert node.module in STARTUP_IMPORTS, ast.unparse(node)
+    """No eval/exec/dynamic import in _startup.py and its import watcher; every import names a
+    fixed, expected module."""
+    for module in (_startup, _import_hooks):
+        tree = ast.parse(Path(str(module.__file__)).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                assert _called_name(node) not in FORBIDDEN_CALLS, ast.unparse(node)
+            if isinstance(node, ast.Import):
+                assert {alias.name for alias in node.names} <= STARTUP_IMPORTS, ast.unparse(node)
+            if isinstance(node, ast.ImportFrom):
+                assert node.module in STARTUP_IMPORTS, ast.unparse(node)
     pth = (PACKAGE.parent / "safelens_tl.pth").read_text(encoding="utf-8").strip()
     # One line (site runs lines that start with "import"); the exec'd code is a constant that
     # imports the start-up module by its fixed name and is silent only when safelens_tl is gone.

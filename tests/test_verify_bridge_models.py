@@ -275,7 +275,8 @@ def test_an_encoder_decoder_checkpoint_folder_verifies_through_hf_generate(
     """``safelens-tl verify --model FOLDER`` on T5 and BART failed every check ("Unrecognized
     configuration class ... AutoModelForCausalLM"). Only ``hf_generate`` caches their decoder,
     so that is what is checked: against the bridge's uncached forward in every dtype, against
-    Hugging Face's own in float32 only (``bridge_seq2seq``: in half precision it is reported).
+    Hugging Face's own in float32 only (``bridge.run_seq2seq_batch``: in half precision it is
+    reported).
     Florence-2 is in no sequence-to-sequence mapping: its reference is the class it names."""
     folder = str(architecture_folder(architecture))
     report = runner.verify_pretrained(folder, (torch.float32, torch.bfloat16))

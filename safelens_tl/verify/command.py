@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from safelens_tl.verify.report import CheckResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: When this module was imported: the start of a run that is not given ``arguments.started``.
+STARTED = time.perf_counter()
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 _ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -240,9 +242,10 @@ def run(arguments: argparse.Namespace) -> int:
             return _usage_error(str(error))
     for failure in status.failures:
         report.diagnostics.append(f"activation: {failure}")
-    from safelens_tl import cli
-
-    report.seconds = time.perf_counter() - cli.STARTED  # all of it: imports, models, checks
+    # All of it: imports, models, checks. ``safelens-tl`` passes when it started (the command
+    # layer above this one); called on its own, this module's import is the start.
+    started = getattr(arguments, "started", STARTED)
+    report.seconds = time.perf_counter() - started
     if arguments.quiet:
         stdout.print(report_module.summary_line(report), highlight=False)
     else:

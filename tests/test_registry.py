@@ -1,0 +1,129 @@
+"""The registry of fixes, record by record: each record's detector, ranges, patches, test module
+and docs row, on the installed TransformerLens (real classes, nothing mocked)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import safelens_tl
+from safelens_tl import activation, patching, registry, targets
+from safelens_tl.fixes_registry import FIXES
+from safelens_tl.registry import Fix
+from tests.conftest import HAS_BRIDGE, LAYOUT
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "fixes.md"
+STATES = {"installed", "pending", "failed", "not applicable", "nothing to patch"}
+
+if HAS_BRIDGE:
+    # TransformerLens imports it lazily; the bridge's records are built at its import.
+    importlib.import_module(targets.BRIDGE_MODULE)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _context(fix: Fix) -> registry.Context:
+    """The context the plugins build ``fix`` in on this install; skips where it is not built."""
+    module = fix.when_imported[0]
+    if module == targets.BRIDGE_MODULE and not HAS_BRIDGE:
+        pytest.skip(f"TransformerLens {LAYOUT.release} has no TransformerBridge")
+    return registry.Context(LAYOUT, module, "tests")
+
+
+def test_ids_are_unique_and_name_their_modules() -> None:
+    ids = [fix.id for fix in FIXES]
+    assert len(ids) == len(set(ids))
+    for fix in FIXES:
+        module = importlib.import_module(f"safelens_tl.{fix.id}")
+        assert module.FIX is fix
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda fix: fix.id)
+def test_the_record_is_complete(fix: Fix) -> None:
+    """A symptom and a remedy of one line, valid ranges, a test module and a docs row."""
+    from packaging.specifiers import SpecifierSet
+
+    assert fix.symptom and "\n" not in fix.symptom
+    assert fix.remedy and "\n" not in fix.remedy
+    assert "transformer-lens" in fix.affects
+    for specifiers in fix.affects.values():
+        SpecifierSet(specifiers)  # raises on a malformed range
+    assert fix.detector in ("release", "feature")
+    assert (REPO / fix.test_module).is_file(), fix.test_module
+    assert f'<a id="{fix.id.replace("_", "-")}"></a>`{fix.id}`' in DOCS.read_text("utf-8")
+    assert fix.anchor.startswith("docs/fixes.md#")
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda fix: fix.id)
+def test_the_detector_agrees_with_the_declared_ranges(fix: Fix) -> None:
+    """A release detector says exactly what the ranges say; a feature detector answers a bool and
+    a reason, and applies only to releases its ranges name."""
+    applies, reason = fix.applies(_context(fix))
+    assert isinstance(applies, bool)
+    assert isinstance(reason, str) and reason
+    versions = {name: _version(name) for name in fix.affects}
+    if fix.detector == "release":
+        assert applies == fix.affects_release(versions), (reason, versions)
+    elif applies:
+        assert fix.affects_release(versions), (reason, versions, dict(fix.affects))
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=lambda fix: fix.id)
+def test_every_patch_is_restored_on_deactivate(
+    fix: Fix, patched: safelens_tl.activation.Status
+) -> None:
+    """What the record installed is, after ``deactivate()``, exactly what stood there before."""
+    ours = [i for i in activation._state.installed if fix.id in i.patch.fixes]
+    state = {f.id: f for f in safelens_tl.status().fixes}[fix.id]
+    assert (state.state == "installed") == bool(ours), state
+    if not ours:
+        pytest.skip(f"{fix.id} is not installed here: {state.reason}")
+    safelens_tl.deactivate()
+    try:
+        for installed in ours:
+            patch = installed.patch
+            now = patch.owner.__dict__.get(patch.attribute, patching.MISSING)
+            assert now is installed.original, patch.target
+    finally:
+        safelens_tl.activate()
+
+
+def test_status_lists_every_fix(patched: safelens_tl.activation.Status) -> None:
+    status = safelens_tl.status()
+    assert [f.id for f in status.fixes] == [fix.id for fix in FIXES]
+    for state in status.fixes:
+        assert state.state in STATES, state
+        assert state.reason
+        assert (state.applies is False) == (state.state == "not applicable"), state
+    data = json.loads(json.dumps(status.to_dict()))
+    assert [f["id"] for f in data["fixes"]] == [fix.id for fix in FIXES]
+    text = str(status)
+    for fix in FIXES:
+        assert re.search(rf"^\s+{fix.id}\s", text, re.M), text
+
+
+def test_a_release_fix_out_of_range_says_so(patched: safelens_tl.activation.Status) -> None:
+    """Every release-ranged record that does not apply names the range it affects."""
+    by_id = {f.id: f for f in safelens_tl.status().fixes}
+    for fix in FIXES:
+        if fix.detector == "release" and by_id[fix.id].state == "not applicable":
+            assert fix.affects["transformer-lens"] in by_id[fix.id].reason
+
+
+def test_the_docs_table_is_generated_from_the_registry() -> None:
+    """``docs/fixes.md``'s table is the registry's; regenerate it with
+    ``python -m safelens_tl.fixes_registry --write docs/fixes.md``."""
+    current = DOCS.read_text("utf-8")
+    assert registry.BEGIN in current and registry.END in current
+    assert registry.render_document(current, FIXES) == current
