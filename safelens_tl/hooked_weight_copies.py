@@ -43,6 +43,7 @@ attention still projects keys and values with ``W_K``/``W_V``, properties that
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import re
@@ -298,10 +299,17 @@ def patches() -> list[Patch]:
     return found
 
 
+@functools.cache
+def _found() -> tuple[Patch, ...]:
+    """:func:`patches`, worked out once per process: its probe and source hashes are the same
+    for the detector and for the patches, and for every later activation."""
+    return tuple(patches())
+
+
 def _applies(context: Context) -> tuple[bool, str]:
     if context.layout.model_class() is None:
         return False, "this release has no HookedTransformer"
-    found = patches()
+    found = _found()
     if not found:
         return False, "no forward of this release copies a weight matrix"
     names = sorted({patch.target.rsplit(".", 2)[-2] for patch in found})
@@ -309,7 +317,7 @@ def _applies(context: Context) -> tuple[bool, str]:
 
 
 def _patches(context: Context) -> list[Patch]:
-    return patches()
+    return list(_found())
 
 
 FIX = Fix(

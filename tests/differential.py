@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+import safelens_tl
+
 SAMPLES = int(os.environ.get("SAFELENS_TL_DIFFERENTIAL_SAMPLES", "200"))
 SEED = int(os.environ.get("SAFELENS_TL_DIFFERENTIAL_SEED", "0"))
 NEW_TOKENS = 5
@@ -182,3 +184,53 @@ def judge(
             f"stock is right (off by {stock_error:.2e}) and patched differs from it\n{detail}",
         )
     return Verdict("claimed", f"stock off by {stock_error:.2e}, patched by {patched_error:.2e}")
+
+
+def prompts_of(point: dict[str, Any]) -> list[str]:
+    """The point's prompts: equal or different lengths; one of them for a string input."""
+    prompts = EQUAL if point["lengths"] == "equal" else DIFFERENT
+    return prompts[1:2] if point["input"] == "str" else list(prompts)
+
+
+def given_of(model: Any, point: dict[str, Any]) -> Any:
+    """``generate``'s input: one string, a list, or the tokens padded on the model's side, as a
+    user's own ``to_tokens`` pads them."""
+    prompts = prompts_of(point)
+    if point["input"] == "str":
+        return prompts[0]
+    if point["input"] == "list":
+        return prompts
+    return model.to_tokens(prompts)
+
+
+def generate_outcome(
+    model: Any, point: dict[str, Any], active: bool, hook_names: Sequence[str]
+) -> Outcome:
+    """The point's ``generate`` call on ``model``, patched (``active``) or stock."""
+    given = given_of(model, point)
+    options = {
+        "max_new_tokens": NEW_TOKENS,
+        "use_past_kv_cache": point["cached"] == "cached",
+        "do_sample": point["sampling"] == "sampled",
+        "stop_at_eos": False,
+        "verbose": False,
+        "return_type": "tokens",
+    }
+    if active:
+        safelens_tl.activate()
+    try:
+        return run(
+            model,
+            lambda: model.generate(given, **options),
+            hook_names,
+            model.unembed,
+            seed=1234 if point["sampling"] == "sampled" else None,
+        )
+    finally:
+        safelens_tl.deactivate()
+
+
+def uncached_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's uncached forward of one unpadded row: every position attended to (a generated
+    pad token too, as ``generate`` attends to it), positions counted from 0."""
+    return lambda tokens: model(tokens, attention_mask=torch.ones_like(tokens))

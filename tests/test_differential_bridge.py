@@ -54,64 +54,26 @@ def model_for(point: dict[str, Any], active: bool) -> Any:
     return _models[key]
 
 
-def prompts_of(point: dict[str, Any]) -> list[str]:
-    prompts = differential.EQUAL if point["lengths"] == "equal" else differential.DIFFERENT
-    return prompts[1:2] if point["input"] == "str" else list(prompts)
-
-
-def given_of(model: Any, point: dict[str, Any]) -> Any:
-    prompts = prompts_of(point)
-    if point["input"] == "str":
-        return prompts[0]
-    if point["input"] == "list":
-        return prompts
-    return model.to_tokens(prompts)  # padded on the tokenizer's side, as a user's to_tokens
-
-
 def outcome(point: dict[str, Any], active: bool) -> differential.Outcome:
-    """The point's ``generate`` call, stock or patched."""
-    model = model_for(point, active)
-    given = given_of(model, point)
-    options = {
-        "max_new_tokens": differential.NEW_TOKENS,
-        "use_past_kv_cache": point["cached"] == "cached",
-        "do_sample": point["sampling"] == "sampled",
-        "stop_at_eos": False,
-        "verbose": False,
-        "return_type": "tokens",
-    }
-    if active:
-        safelens_tl.activate()
-    try:
-        return differential.run(
-            model,
-            lambda: model.generate(given, **options),
-            HOOKS,
-            model.unembed,
-            seed=1234 if point["sampling"] == "sampled" else None,
-        )
-    finally:
-        safelens_tl.deactivate()
-
-
-def forward(model: Any) -> Any:
-    """The bridge's uncached forward of one unpadded row, every position attended to."""
-    return lambda tokens: model(tokens, attention_mask=torch.ones_like(tokens))
+    """The point's ``generate`` call, stock or patched, each on its own bridge."""
+    return differential.generate_outcome(model_for(point, active), point, active, HOOKS)
 
 
 def verdict(point: dict[str, Any]) -> differential.Verdict:
     """The rule applied to one grid point; the reference is the stock bridge's forward where
     stock's forward is right (uncached, one row), the patched bridge's otherwise the same."""
     model = model_for(point, active=False)
-    prompts = [model.to_tokens(prompt) for prompt in prompts_of(point)]
+    prompts = [model.to_tokens(prompt) for prompt in differential.prompts_of(point)]
     if point["input"] == "tensor" and point["lengths"] == "different":
         # A padded tensor carries no mask: every release runs each row as given, padding and
         # all, so each row's own forward is the row as given.
-        prompts = list(given_of(model, point).split(1))
+        prompts = list(differential.given_of(model, point).split(1))
     return differential.judge(
         outcome(point, active=False),
         outcome(point, active=True),
-        lambda found: differential.teacher_forced_error(found, prompts, forward(model)),
+        lambda found: differential.teacher_forced_error(
+            found, prompts, differential.uncached_forward(model)
+        ),
         TOLERANCE[point["dtype"]],
     )
 

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-import safelens_tl
 from safelens_tl.verify import models
 from tests import differential
 from tests.conftest import requires_hooked_transformer
@@ -111,62 +110,25 @@ def model_for(point: dict[str, Any]) -> Any:
     return _models[key]
 
 
-def prompts_of(point: dict[str, Any]) -> list[str]:
-    prompts = differential.EQUAL if point["lengths"] == "equal" else differential.DIFFERENT
-    return prompts[1:2] if point["input"] == "str" else list(prompts)
-
-
 def outcome(point: dict[str, Any], active: bool) -> differential.Outcome:
     """The point's ``generate`` call, stock or patched."""
-    model = model_for(point)
-    prompts = prompts_of(point)
-    given: Any
-    if point["input"] == "str":
-        given = prompts[0]
-    elif point["input"] == "list":
-        given = prompts
-    else:  # padded on the model's side, as a user's own to_tokens pads them
-        given = model.to_tokens(prompts)
-    options = {
-        "max_new_tokens": differential.NEW_TOKENS,
-        "use_past_kv_cache": point["cached"] == "cached",
-        "do_sample": point["sampling"] == "sampled",
-        "stop_at_eos": False,
-        "verbose": False,
-        "return_type": "tokens",
-    }
-    if active:
-        safelens_tl.activate()
-    try:
-        return differential.run(
-            model,
-            lambda: model.generate(given, **options),
-            HOOKS,
-            model.unembed,
-            seed=1234 if point["sampling"] == "sampled" else None,
-        )
-    finally:
-        safelens_tl.deactivate()
-
-
-def forward(model: Any) -> Any:
-    """The model's uncached forward of one unpadded row: every position attended to (a generated
-    pad token too, as ``generate`` attends to it), positions counted from 0."""
-    return lambda tokens: model(tokens, attention_mask=torch.ones_like(tokens))
+    return differential.generate_outcome(model_for(point), point, active, HOOKS)
 
 
 def verdict(point: dict[str, Any]) -> differential.Verdict:
     """The rule applied to one grid point."""
     model = model_for(point)
-    prompts = [model.to_tokens(prompt) for prompt in prompts_of(point)]
+    prompts = [model.to_tokens(prompt) for prompt in differential.prompts_of(point)]
     if point["input"] == "tensor" and point["padding_side"] == "right":
         # Rows padded on the right go on after their padding in every release (no mask can
         # say otherwise): each row's own forward is the padded row as given.
-        prompts = list(model.to_tokens(prompts_of(point)).split(1))
+        prompts = list(differential.given_of(model, point).split(1))
     return differential.judge(
         outcome(point, active=False),
         outcome(point, active=True),
-        lambda found: differential.teacher_forced_error(found, prompts, forward(model)),
+        lambda found: differential.teacher_forced_error(
+            found, prompts, differential.uncached_forward(model)
+        ),
         TOLERANCE[point["dtype"]],
     )
 
@@ -198,9 +160,9 @@ def test_a_gpt2_style_batch_of_equal_lengths_is_stock_bitwise() -> None:
         "dtype": torch.float32,
     }
     model = model_for(point)
-    prompts = [model.to_tokens(prompt) for prompt in prompts_of(point)]
+    prompts = [model.to_tokens(prompt) for prompt in differential.prompts_of(point)]
     stock = outcome(point, active=False)
-    error = differential.teacher_forced_error(stock, prompts, forward(model))
+    error = differential.teacher_forced_error(stock, prompts, differential.uncached_forward(model))
     assert error < TOLERANCE[torch.float32]
     patched = outcome(point, active=True)
     assert patched.same_as(stock), (stock.describe(), patched.describe())

@@ -88,14 +88,10 @@ def looks_like_a_path(name: str) -> bool:
     )
 
 
-def _config_problem(folder: Path) -> str | None:
-    """What makes the folder's ``config.json`` unusable, where that can be told from the file."""
-    try:
-        config = read_config(str(folder))
-    except UnsupportedCheckpointError as error:
-        return str(error)
-    configs = [config, *(v for v in config.values() if isinstance(v, dict))]  # text_config, ...
-    for part in configs:
+def _heads_problem(config: dict[str, Any]) -> str | None:
+    """Attention heads that are not a multiple of the key-value heads, in the config or one of
+    its parts (``text_config``, ...); ``None`` otherwise."""
+    for part in [config, *(v for v in config.values() if isinstance(v, dict))]:
         heads, kv_heads = part.get("num_attention_heads"), part.get("num_key_value_heads")
         if not isinstance(heads, int) or not isinstance(kv_heads, int) or kv_heads <= 0:
             continue
@@ -129,15 +125,19 @@ def checkpoint_problem(name: str) -> str | None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             return f"--model {name}: the folder has no config.json ({what})"
-        architecture = architecture_of(str(path))
-        if architecture is not None and not architecture.endswith(TEXT_GENERATOR_SUFFIXES):
+        try:
+            config = read_config(str(path))
+        except UnsupportedCheckpointError as error:
+            return f"--model {name}: {error}"
+        architecture = str((config.get("architectures") or [""])[0])
+        if architecture and not architecture.endswith(TEXT_GENERATOR_SUFFIXES):
             return None  # the loader refuses it by its architecture, which says more
         if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             return (
                 f"--model {name}: the folder has config.json but no weights (*.safetensors or "
                 f"pytorch_model.bin); save the model into it with model.save_pretrained(folder)"
             )
-        problem = _config_problem(path)
+        problem = _heads_problem(config)
         return None if problem is None else f"--model {name}: {problem}"
     if looks_like_a_path(name):
         return f"--model {name}: no such file or folder"
