@@ -314,15 +314,16 @@ def test_append_floor_prints_its_table() -> None:
 @requires_hooked_transformer
 def test_instruction_counts_count_both_variants() -> None:
     """The callgrind child runs and counts one generation per variant. The two counts are close
-    (each a full forward pass per token; the patched path adds or saves a fraction of a
-    percent), so a count of the wrong region, or of nothing, fails."""
+    (each a full forward pass per token; the cache and mask fixes add or save a fraction of a
+    percent, and on 3.x reading the weights in place saves up to about 10% of so short a
+    generation), so a count of the wrong region, or of nothing, fails."""
     instruction_counts = benchmark_module("instruction_counts")
     rows, reason = instruction_counts.measure([(1, 2)], rounds=1)
     assert reason is None, reason
     (row,) = rows
     assert row["generation"] == "1+2" and row["rounds"] == 1
     assert row["stock"] > 1_000_000 and row["patched"] > 1_000_000
-    assert 0.9 < row["stock"] / row["patched"] < 1.1, row
+    assert 0.9 < row["stock"] / row["patched"] < 1.3, row
 
 
 class _StateRecorder:
