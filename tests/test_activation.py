@@ -16,6 +16,8 @@ from safelens_tl import kv_cache
 from safelens_tl.activation import SafelensWarning
 from tests.conftest import LAYOUT, RELEASE
 
+pytestmark = pytest.mark.startup
+
 PATCHED_ATTRIBUTES = {
     LAYOUT.entry_class: ("init_cache_entry", "append", "__getstate__"),
     LAYOUT.cache_class: ("append_attention_mask", "init_cache"),

@@ -202,6 +202,8 @@ import transformer_lens
 hook_ran_before = "safelens_tl._startup" in sys.modules
 site.addsitedir(site_packages)
 from safelens_tl import _startup, kv_cache, targets
+
+pytestmark = pytest.mark.startup
 patched = targets.locate().entry_class.append is kv_cache.append
 print({MARK!r} + json.dumps([hook_ran_before, _startup.state, patched]))
 """

@@ -30,6 +30,8 @@ from tests.conftest import (
     requires_hooked_transformer,
 )
 
+pytestmark = pytest.mark.benchmark
+
 BENCHMARK = BENCHMARKS / "kv_cache.py"
 
 
@@ -682,6 +684,7 @@ TINY_CHECKPOINT_BYTES = 64 * 2**20
 MINIMUM_ARCHITECTURES_CHECKED = 60
 
 
+@pytest.mark.sweep
 @pytest.mark.skipif(not HAS_BRIDGE, reason="needs TransformerBridge")
 def test_no_architecture_generates_worse_patched_than_stock() -> None:
     """Every architecture of ``benchmarks/bridge_architectures.py``: cached generation with

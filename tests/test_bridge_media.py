@@ -42,7 +42,7 @@ from safelens_tl import bridge_cache, bridge_mrope_positions
 from safelens_tl.verify import bridge, models
 from tests.conftest import architecture_folder, requires_bridge
 
-pytestmark = requires_bridge
+pytestmark = [requires_bridge, pytest.mark.media]
 
 NEW_TOKENS = 8
 #: The text around the image or sound.

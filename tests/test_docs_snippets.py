@@ -25,6 +25,8 @@ import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
 
+pytestmark = pytest.mark.newest_releases
+
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SNIPPET = re.compile(

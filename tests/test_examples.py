@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
 
+pytestmark = pytest.mark.newest_releases
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 #: Each example, whether the installed release has what it needs, and the releases it names
 #: when it has not.

@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import BENCHMARKS, HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, benchmark_module
 
+pytestmark = pytest.mark.benchmark
+
 SCRIPT = BENCHMARKS / "generate_vs_hf.py"
 
 

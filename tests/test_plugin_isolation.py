@@ -147,6 +147,8 @@ def child_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 THREAD_IMPORT = """
 import threading
 from safelens_tl.hookspecs import hookimpl
+
+pytestmark = pytest.mark.newest_releases
 FINISHED = []
 
 def _worker():

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.newest_releases
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 FIRST_SCREEN = README.split("\n## What it fixes\n")[0]
@@ -59,7 +63,7 @@ def test_each_environment_ends_with_its_counts(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "TOX_ENV_NAME": "tl999", "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "TOX_ENV_NAME": "tl999", "HF_HUB_OFFLINE": "1", "PYTEST_ADDOPTS": ""},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[tl999] 1 passed, 1 skipped, 0 failed, 0 error (exit status 0)" in done.stdout

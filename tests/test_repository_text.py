@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.newest_releases
+
 REPO = Path(__file__).resolve().parents[1]
 SUFFIXES = (".md", ".py", ".ini", ".toml", ".sh")
 EXTRA_FILES = (".ci/run",)

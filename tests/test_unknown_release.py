@@ -23,6 +23,8 @@ import torch
 from safelens_tl import targets
 from tests.conftest import LAYOUT
 
+pytestmark = pytest.mark.newest_releases
+
 CHILD = textwrap.dedent(
     """
     import importlib, json, sys, warnings

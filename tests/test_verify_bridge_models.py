@@ -24,7 +24,7 @@ from safelens_tl import bridge_cache
 from safelens_tl.verify import bridge, runner
 from tests.conftest import HAS_HOOKED_TRANSFORMER, architecture_folder, requires_bridge
 
-pytestmark = requires_bridge
+pytestmark = [requires_bridge, pytest.mark.media]
 
 #: ``--model FOLDER`` boots through TransformerBridge where there is no HookedTransformer (4.x).
 requires_folder_bridge = pytest.mark.skipif(
