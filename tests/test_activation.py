@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import safelens_tl
-from safelens_tl import kv_cache
 from safelens_tl.activation import SafelensWarning
+from safelens_tl.kv import entry as kv_cache
 from tests.conftest import LAYOUT, RELEASE
 
 PATCHED_ATTRIBUTES = {

@@ -5,15 +5,15 @@ TransformerLens 4.x calls the model from ``TransformersDriver.forward``; 3.x fro
 adaptation is a no-op unless its mismatch arrives:
 
 - the KV cache under the name the model's ``forward`` gives it
-  (:func:`safelens_tl.bridge_cache.pass_cache_by_the_models_name`);
+  (:func:`safelens_tl.fixes.bridge.cache.pass_cache_by_the_models_name`);
 - ``position_ids`` for a step given only as ``cache_position``, which transformers 5 models no
-  longer read (:mod:`safelens_tl.bridge_positions`);
+  longer read (:mod:`safelens_tl.fixes.bridge._positions`);
 - positions of a cached step of a multimodal-rotary model (Qwen-VL) cut to the step's tokens
-  (:mod:`safelens_tl.bridge_mrope_positions`);
+  (:mod:`safelens_tl.fixes.bridge._mrope_positions`);
 - the image (or sound) of an uncached ``generate`` at every step, not only the prompt's
-  (:mod:`safelens_tl.bridge_uncached_media`);
+  (:mod:`safelens_tl.fixes.bridge.uncached_media`);
 - on 3.0-3.7, the mask and positions of a padded batch of prompts that a patched ``generate``
-  runs (:mod:`safelens_tl.bridge_generate_batch`).
+  runs (:mod:`safelens_tl.fixes.bridge.generate_batch`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import (
-    bridge_cache,
-    bridge_generate_batch,
-    bridge_mrope_positions,
-    bridge_positions,
-    bridge_uncached_media,
-    targets,
-)
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import _mrope_positions as bridge_mrope_positions
+from safelens_tl.fixes.bridge import _positions as bridge_positions
+from safelens_tl.fixes.bridge import cache as bridge_cache
+from safelens_tl.fixes.bridge import generate_batch as bridge_generate_batch
+from safelens_tl.fixes.bridge import uncached_media as bridge_uncached_media
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 
@@ -39,7 +37,7 @@ def adapting_model_call(
     """Wrap the method that calls the model found at ``self.<model_attribute>``.
 
     ``keep_accepted_old_name``: see
-    :func:`~safelens_tl.bridge_cache.pass_cache_by_the_models_name`.
+    :func:`~safelens_tl.fixes.bridge.cache.pass_cache_by_the_models_name`.
     """
 
     @functools.wraps(original)

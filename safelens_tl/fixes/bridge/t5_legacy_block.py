@@ -17,7 +17,7 @@ so with any transformers 5:
   layout and is left with it.
 
 TransformerLens 4.x's block takes ``past_key_values`` and hands it on
-(:mod:`safelens_tl.bridge_t5_block` then only renames), so none of this applies there.
+(:mod:`safelens_tl.fixes.bridge.t5_block` then only renames), so none of this applies there.
 
 What is patched, each acting only where transformers 5's sublayers no longer show
 ``past_key_value``:
@@ -40,11 +40,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache, bridge_t5_block, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
+from safelens_tl.fixes.bridge import t5_block as bridge_t5_block
 from safelens_tl.patching import Patch
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
-SOURCE = "safelens_tl.bridge_plugin"
+SOURCE = "safelens_tl.builtin_plugins.bridge"
 #: What TransformerLens 3.x's block forward takes, and transformers 4's sublayers took.
 LEGACY_NAME = "past_key_value"
 #: The names transformers 5 passes a block its cache under (5.24 on, before 5.24).
@@ -113,7 +115,7 @@ def sublayer_patches(block: Any) -> list[Patch]:
 def builds_a_legacy_forward(block_bridge: type) -> bool:
     """Whether ``T5BlockBridge`` builds the block forward of TransformerLens 3.x, which takes the
     cache as ``past_key_value`` (read from its code, as
-    :func:`safelens_tl.bridge_t5_block.hands_sublayers_the_cache` reads 4.x's)."""
+    :func:`safelens_tl.fixes.bridge.t5_block.hands_sublayers_the_cache` reads 4.x's)."""
     return LEGACY_NAME in bridge_t5_block.built_forward_names(block_bridge)
 
 

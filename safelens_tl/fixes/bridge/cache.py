@@ -11,7 +11,8 @@ What is patched here, each a no-op unless the renamed argument actually arrives:
 - ``AttentionBridge._update_kv_cache`` (inherited by almost every attention bridge) and the
   ``forward`` of the bridges that read the argument themselves: a cache passed as ``cache`` is
   read as ``past_key_values``.
-- The call into the model (:mod:`safelens_tl.bridge_model_call`): the bridge hands the model its
+- The call into the model (:mod:`safelens_tl.fixes.bridge.model_call`): the bridge hands the model
+its
   cache as ``past_key_values``; when the model's ``forward`` names it ``cache``, it gets it under
   that name (:func:`pass_cache_by_the_models_name`). This works without the deprecation shim
   (5.40) and without its ``FutureWarning`` at every step.
@@ -25,7 +26,7 @@ What is patched here, each a no-op unless the renamed argument actually arrives:
 - The ``forward`` of the Mamba and Mamba-2 mixer bridges, whose opt-in eager scan
   (``eager_scan=True``) runs whenever no ``cache_params`` arrives: a cache passed as ``cache``
   keeps it off, as ``cache_params`` did (:func:`eager_scan_would_miss_the_cache`, applied in
-  :mod:`safelens_tl.bridge_state_mask`).
+  :mod:`safelens_tl.fixes.bridge.state_mask`).
 
 Which name the installed transformers uses is read from its code (:func:`attention_cache_argument`),
 never from its version number.
@@ -247,7 +248,7 @@ def eager_scan_would_miss_the_cache(mixer: Any, kwargs: dict[str, Any]) -> bool:
     TransformerLens runs the scan (which starts from an empty state) whenever no ``cache_params``
     arrives, to keep it to calls without a cache; transformers 5.24 passes that cache as
     ``cache``. Such a call should run as with the scan off: the Hugging Face mixer, which reads
-    and updates the cache (:func:`safelens_tl.bridge_state_mask.adapting_mixer_forward`).
+    and updates the cache (:func:`safelens_tl.fixes.bridge.state_mask.adapting_mixer_forward`).
     """
     return (
         bool(getattr(mixer, "eager_scan", False))

@@ -29,11 +29,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from safelens_tl import bridge_cache, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.patching import Patch
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
-SOURCE = "safelens_tl.bridge_plugin"
+SOURCE = "safelens_tl.builtin_plugins.bridge"
 OLD_NAME = bridge_cache.SHIM_OLD_NAME
 NEW_NAME = bridge_cache.NEW_NAME
 #: Marks a sublayer ``forward`` that shows ``past_key_values`` (:func:`showing_the_old_name`).
@@ -98,7 +99,7 @@ def hands_sublayers_the_cache(block_bridge: type) -> bool:
     """Whether ``T5BlockBridge`` builds a block forward that takes ``past_key_values`` and hands
     it on (TransformerLens 4.x). TransformerLens 3.x's takes transformers 4's ``past_key_value``
     tuples and hands transformers 5's sublayers no cache with any transformers 5
-    (:mod:`safelens_tl.bridge_t5_legacy_block`)."""
+    (:mod:`safelens_tl.fixes.bridge.t5_legacy_block`)."""
     return OLD_NAME in built_forward_names(block_bridge)
 
 

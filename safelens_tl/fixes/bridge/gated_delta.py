@@ -38,7 +38,7 @@ CONVOLUTION = "causal_conv1d_fn"
 CHUNKED_RULE = "chunk_gated_delta_rule"
 #: What the modeling files call their chunked delta rule.
 MODULE_CHUNKED_RULE = "torch_chunk_gated_delta_rule"
-SOURCE = "safelens_tl.bridge_plugin"
+SOURCE = "safelens_tl.builtin_plugins.bridge"
 
 
 def reads_functions_from_the_layer(hooked_forward: Any) -> bool:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
-from safelens_tl import bridge_cache, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Keyword arguments of the reconstruction now running, until its head split has used them.

@@ -30,7 +30,7 @@ import torch
 from safelens_tl.patching import Patch
 
 METHOD = "compute_3d_position_ids"
-SOURCE = "safelens_tl.bridge_plugin"
+SOURCE = "safelens_tl.builtin_plugins.bridge"
 #: Set on the wrapper, so that a class already fitted is recognised without a lock.
 _FITTED = "__safelens_tl_step_positions__"
 #: For each class of model met, the classes defining :data:`METHOD` for it and for its inner

@@ -2,7 +2,7 @@
 ``safelens_tl`` group.
 
 Which fixes there are, and when each applies, is in the registry
-(:data:`safelens_tl.fixes_registry.HOOKED_FIXES`, one :class:`~safelens_tl.registry.Fix` per fix
+(:data:`safelens_tl.fixes.HOOKED_FIXES`, one :class:`~safelens_tl.registry.Fix` per fix
 module); this plugin only asks it for the patches of ``import transformer_lens``. A new
 HookedTransformer fix is not wired here: its module's ``FIX`` record joins ``HOOKED_FIXES``.
 """
@@ -10,12 +10,12 @@ HookedTransformer fix is not wired here: its module's ``FIX`` record joins ``HOO
 from __future__ import annotations
 
 from safelens_tl import registry
-from safelens_tl.fixes_registry import HOOKED_FIXES
+from safelens_tl.fixes import HOOKED_FIXES
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
 from safelens_tl.targets import Layout
 
-SOURCE = "safelens_tl.builtin_plugin"
+SOURCE = "safelens_tl.builtin_plugins.hooked"
 
 
 @hookimpl

@@ -21,7 +21,7 @@ prompts' mask as 3.1 does and marks the model in a :class:`~contextvars.ContextV
 
 - a list of two or more texts is tokenized once, padded on the left, and handed to the original
   as tokens (texts still come back as texts); its mask counts each prompt's own tokens
-  (:func:`safelens_tl.prompt_batches.mask_from_lengths`), so a BOS that is also the pad token
+  (:func:`safelens_tl.fixes._prompt_batches.mask_from_lengths`), so a BOS that is also the pad token
   (GPT-2's tokenizer) is never taken for padding;
 - a tensor of two or more token rows, when the tokenizer pads on the left, gets the mask of each
   row's leading padding. Rows padded on the right go on after their padding, which 3.1's mask
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.prompt_batches import RETURNS_TEXT, mask_from_lengths
+from safelens_tl.fixes._prompt_batches import RETURNS_TEXT, mask_from_lengths
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
@@ -140,7 +140,7 @@ def prompts_mask(
     model: Any, prompts: list[str], tokens: torch.Tensor, prepend_bos: Any
 ) -> torch.Tensor:
     """The padding mask of ``tokens``, the left-padded tokens of ``prompts``, from each prompt's
-    own token count (:func:`safelens_tl.prompt_batches.mask_from_lengths`)."""
+    own token count (:func:`safelens_tl.fixes._prompt_batches.mask_from_lengths`)."""
     lengths = [int(model.to_tokens(p, prepend_bos=prepend_bos).shape[-1]) for p in prompts]
     return mask_from_lengths(lengths, int(tokens.shape[-1]), tokens)
 

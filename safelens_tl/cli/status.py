@@ -103,7 +103,7 @@ def collect() -> dict[str, Any]:
 def _in_place_appends() -> bool:
     # Imported here: kv_storage imports torch, which a report without TransformerLens may lack.
     try:
-        from safelens_tl import kv_storage
+        from safelens_tl.kv import storage as kv_storage
     except ImportError:
         return False
     return kv_storage.in_place_appends()

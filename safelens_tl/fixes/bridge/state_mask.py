@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from safelens_tl import bridge_cache, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: The keyword the Hugging Face mixers take the mask under.
@@ -60,7 +61,7 @@ def adapting_mixer_forward(
 
     ``trims_mask``: :func:`trim_mask`. ``keeps_eager_scan_uncached``: a call that carries a cache
     under the name transformers 5.24 uses runs with the opt-in eager scan off
-    (:func:`safelens_tl.bridge_cache.eager_scan_would_miss_the_cache`).
+    (:func:`safelens_tl.fixes.bridge.cache.eager_scan_would_miss_the_cache`).
     """
 
     @functools.wraps(original)

@@ -7,7 +7,6 @@ Exit codes: 0 success, 1 a check failed, 2 a usage error.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Sequence
 
@@ -21,8 +20,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
-    from safelens_tl import status_command
-    from safelens_tl.verify import command as verify_command
+    from safelens_tl.cli import status as status_command
+    from safelens_tl.cli import verify as verify_command
 
     parser = argparse.ArgumentParser(
         prog="safelens-tl",
@@ -46,7 +45,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments.started = STARTED
     code: int = arguments.run(arguments)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 ``transformer_lens.model_bridge`` is imported lazily by TransformerLens (about 2 s), so the
 patches are :class:`~safelens_tl.patching.DeferredPatches`: built and installed when that module
 is first imported, not at ``import transformer_lens``. Which fixes there are is in the registry
-(:data:`safelens_tl.fixes_registry.BRIDGE_FIXES`); each decides by what the installed code has
+(:data:`safelens_tl.fixes.BRIDGE_FIXES`); each decides by what the installed code has
 (feature detection), never by version numbers.
 """
 
@@ -13,19 +13,16 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from safelens_tl import (
-    bridge_hf_generate_mask,
-    bridge_stateful_generate,
-    registry,
-    targets,
-)
-from safelens_tl.fixes_registry import BRIDGE_FIXES
+from safelens_tl import registry, targets
+from safelens_tl.fixes import BRIDGE_FIXES
+from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
+from safelens_tl.fixes.bridge import stateful_generate as bridge_stateful_generate
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import DeferredPatches, Patch
 from safelens_tl.plugins import Failure
 from safelens_tl.targets import Layout
 
-SOURCE = "safelens_tl.bridge_plugin"
+SOURCE = "safelens_tl.builtin_plugins.bridge"
 #: What each reader patch applies to the method it replaces.
 _Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -56,7 +53,8 @@ def hf_generate_wrappers(hf_generate: Callable[..., Any]) -> list[_Wrapper]:
     """What wraps this release's ``TransformerBridge.hf_generate``, outermost first: a
     state-space model's ``generate`` options always, the attention mask of a batch of prompts
     where the release drops it (TransformerLens 3.0-3.8). The registry composes the same, from
-    :mod:`safelens_tl.bridge_stateful_generate` and :mod:`safelens_tl.bridge_hf_generate_mask`."""
+    :mod:`safelens_tl.fixes.bridge.stateful_generate` and
+    :mod:`safelens_tl.fixes.bridge.hf_generate_mask`."""
     wrappers: list[_Wrapper] = [bridge_stateful_generate.honouring_generate_options]
     if bridge_hf_generate_mask.drops_the_attention_mask(hf_generate):
         wrappers.append(bridge_hf_generate_mask.passing_the_attention_mask)

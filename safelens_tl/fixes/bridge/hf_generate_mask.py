@@ -34,7 +34,7 @@ RETURNS_TOKENS = ("tokens",)
 
 def drops_the_attention_mask(method: Any) -> bool:
     """Whether ``method``'s code never names an attention mask: ``hf_generate`` on TransformerLens
-    3.0-3.8, ``generate`` on 3.0-3.7 (:mod:`safelens_tl.bridge_generate_batch`)."""
+    3.0-3.8, ``generate`` on 3.0-3.7 (:mod:`safelens_tl.fixes.bridge.generate_batch`)."""
     code = getattr(method, "__code__", None)
     if code is None:
         return False

@@ -2,10 +2,10 @@
 
 Policy, per append: the stored past and the returned tensors take the dtype and device of the keys
 just computed (values follow keys); input is validated before anything changes. How the step is
-stored depends on size: a small cache (:class:`~safelens_tl.kv_storage.SmallCache`, up to
-:data:`~safelens_tl.kv_storage.SMALL_CACHE_BYTES` per tensor) is appended with ``torch.cat`` as
+stored depends on size: a small cache (:class:`~safelens_tl.kv.storage.SmallCache`, up to
+:data:`~safelens_tl.kv.storage.SMALL_CACHE_BYTES` per tensor) is appended with ``torch.cat`` as
 stock does, since at that size one ``cat`` is cheaper than an in-place write; a larger one lives
-in a :class:`~safelens_tl.kv_storage.KVStorage` buffer, written in place (amortized O(1)). Where
+in a :class:`~safelens_tl.kv.storage.KVStorage` buffer, written in place (amortized O(1)). Where
 autograd or ``frozen`` need a fresh tensor, ``torch.cat`` is used at any size.
 """
 
@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from safelens_tl import kv_storage
-from safelens_tl.patching import Patch
-from safelens_tl.registry import Context, Fix, frozen
+from safelens_tl.kv import storage as kv_storage
 
 # safelens-tl's own attributes of an entry (left out of its pickle; see getstate):
 # _safelens_small (SmallCache or None), _safelens_storage (KVStorage or None), _safelens_n_ctx
@@ -423,32 +421,3 @@ def labelling_init_cache(original: classmethod[Any, Any, Any]) -> classmethod[An
         return cache
 
     return classmethod(init_cache)
-
-
-def _patches(context: Context) -> list[Patch]:
-    entry, cache = context.layout.entry_class, context.layout.cache_class
-    patches = [
-        Patch(entry, "init_cache_entry", classmethod(init_cache_entry)),
-        Patch(entry, "append", append),
-        Patch(entry, "__getstate__", getstate),
-    ]
-    if callable(cache.__dict__.get("append_attention_mask")):
-        patches.append(Patch(cache, "append_attention_mask", append_attention_mask))
-    original_init_cache = cache.__dict__.get("init_cache")
-    if isinstance(original_init_cache, classmethod):
-        patches.append(Patch(cache, "init_cache", labelling_init_cache(original_init_cache)))
-    return patches
-
-
-FIX = Fix(
-    id="kv_cache",
-    symptom="the KV cache starts as an empty float32 tensor on the config's device: dtype or "
-    "device errors (TL 3.0.0 in float16/bfloat16), float32 caches under autocast, shape errors "
-    "deep inside torch, and O(length) copies per generated token",
-    affects=frozen({"transformer-lens": ">=2.0,<5"}),
-    remedy="the cache entry follows the dtype and device of the keys it is given, checks shapes "
-    "(a ValueError naming the layer) and appends in place past 64 KiB per tensor",
-    applies=lambda context: (True, "every release's KV-cache entry"),
-    patches=_patches,
-    test_module="tests/test_kv_cache_entry.py",
-)

@@ -34,8 +34,14 @@ from typing import Any
 
 import torch
 
-from safelens_tl import bridge_hf_generate_mask, targets
-from safelens_tl.prompt_batches import RETURNS_TEXT, left_padded, mask_from_lengths, text_prompts
+from safelens_tl import targets
+from safelens_tl.fixes._prompt_batches import (
+    RETURNS_TEXT,
+    left_padded,
+    mask_from_lengths,
+    text_prompts,
+)
+from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Keyword arguments under which the loop hands a cached step its cache.

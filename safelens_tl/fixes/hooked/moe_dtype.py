@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from safelens_tl import targets
-from safelens_tl.kv_cache import resolve_dtype
+from safelens_tl.kv.entry import resolve_dtype
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 

@@ -36,7 +36,7 @@ import torch
 from safelens_tl import targets
 
 # The keyword transformers passes a layer's rotary embeddings under; CodeGen's from 5.24 on.
-from safelens_tl.bridge_rotary_dtype import EMBEDDINGS_ARGUMENT
+from safelens_tl.fixes.bridge.rotary_dtype import EMBEDDINGS_ARGUMENT
 from safelens_tl.patching import Patch
 from safelens_tl.plugins import Failure
 from safelens_tl.registry import Context, Fix, Wrap, frozen

@@ -1,6 +1,6 @@
 """Batches of text prompts of different lengths: padding them on the left and masking that
 padding by each prompt's own token count, for the ``generate`` fixes that batch prompts
-(:mod:`safelens_tl.hooked_generate_mask`, :mod:`safelens_tl.bridge_generate_batch`).
+(:mod:`safelens_tl.fixes.hooked.generate_mask`, :mod:`safelens_tl.fixes.bridge.generate_batch`).
 
 The mask is counted, never read off the pad token: where the tokenizer's BOS (or a token a prompt
 starts with) is its pad token, as in GPT-2's, looking at the tokens cannot tell padding from a

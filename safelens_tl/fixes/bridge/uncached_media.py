@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from safelens_tl import bridge_positions, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import _positions as bridge_positions
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 #: Inputs with one column per token, and how Hugging Face's ``generate`` extends them by one

@@ -3,9 +3,9 @@
 ``generate`` knows how many positions it may add (``max_new_tokens``), so each layer's buffer can
 end exactly at its final length instead of growing by 25% with up to 25% spare; it grows towards
 that length in bounded steps, since a generation may stop early (see
-:func:`safelens_tl.kv_storage.reserve_ahead`). The prompt length is not computed here: strings
+:func:`safelens_tl.kv.storage.reserve_ahead`). The prompt length is not computed here: strings
 would have to be tokenized exactly as ``generate`` does (BOS, padding side, overridden defaults).
-:func:`safelens_tl.kv_storage.reserve_ahead` instead adds the new tokens to whatever the first
+:func:`safelens_tl.kv.storage.reserve_ahead` instead adds the new tokens to whatever the first
 write of each layer holds, which is the prompt.
 
 The wrapper changes nothing else: same arguments, same result, same errors; when the arguments
@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-from safelens_tl import kv_storage
+from safelens_tl.kv import storage as kv_storage
 from safelens_tl.registry import Context, Fix, Wrap, frozen
 
 

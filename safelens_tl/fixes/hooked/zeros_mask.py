@@ -2,8 +2,8 @@
 at every step, computed once per ``generate``.
 
 Those releases build each step's mask by calling ``transformer_lens.utils.get_attention_mask`` on
-a tensor of zeros the size of the sequence so far (:mod:`safelens_tl.hooked_generate_mask` says
-what that mask gets wrong and how a patched ``generate`` fixes it). Each call reads the
+a tensor of zeros the size of the sequence so far (:mod:`safelens_tl.fixes.hooked.generate_mask`
+says what that mask gets wrong and how a patched ``generate`` fixes it). Each call reads the
 tokenizer's ``pad_token_id`` and ``bos_token_id`` (properties that look the tokens up in the
 vocabulary) and runs half a dozen small tensor operations, a boolean index among them: 4-6% of a
 short generation on a small model (docs/performance.md).
