@@ -261,6 +261,25 @@ def composed(original: Callable[..., Any], *wrappers: Wrapper) -> Callable[..., 
     return result
 
 
+def wrapping(
+    owner: Callable[[Context], type | None],
+    attribute: str,
+    wrapper: Wrapper,
+    area: str | None = None,
+    consequence: str = "",
+) -> PatchBuilder:
+    """A record's ``patches`` that wrap one method, ``owner(context).<attribute>``, by ``wrapper``
+    (:class:`Wrap` says what ``area`` and ``consequence`` mean). The record's detector has found
+    the owner: a release without it is one the record does not apply to."""
+
+    def patches(context: Context) -> list[Wrap]:
+        found = owner(context)
+        assert found is not None  # the detector said so
+        return [Wrap(found, attribute, wrapper, area, consequence)]
+
+    return patches
+
+
 def own_method(owner: type, name: str) -> Callable[..., Any] | None:
     """``owner.<name>`` where ``owner`` defines it itself and it is callable, else ``None``."""
     method = owner.__dict__.get(name)

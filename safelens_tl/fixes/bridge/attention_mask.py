@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.fixes.bridge._reconstructed_mask import applies, wrapping_the_mask
+from safelens_tl.registry import Fix, frozen
 
 
 def is_padding_row_mask(attention_mask: Any, queries: int) -> bool:
@@ -66,17 +67,11 @@ def keeping_the_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
     return _apply_reconstruct_attention_mask
 
 
-def _patches(context: Context) -> list[Wrap]:
-    return [
-        Wrap(
-            context.bridge.attention_class,
-            "_apply_reconstruct_attention_mask",
-            keeping_the_causal_mask,
-            "attention masks",
-            "a forward with an attention_mask may attend to later positions in models whose mask "
-            "marks only padding (OpenAI GPT)",
-        )
-    ]
+_patches = wrapping_the_mask(
+    keeping_the_causal_mask,
+    "a forward with an attention_mask may attend to later positions in models whose mask "
+    "marks only padding (OpenAI GPT)",
+)
 
 
 FIX = Fix(
@@ -85,7 +80,7 @@ FIX = Fix(
     "later positions",
     affects=frozen({"transformer-lens": ">=3.0,<5"}),
     remedy="a padding-row mask keeps the causal mask",
-    applies=lambda context: (True, "the attention bridge masks reconstructed attention"),
+    applies=applies,
     patches=_patches,
     test_module="tests/test_bridge_attention_mask.py",
     when_imported=(targets.BRIDGE_MODULE,),

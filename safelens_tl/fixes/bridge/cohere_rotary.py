@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Context, Fix, frozen, wrapping
 
 #: TransformerLens 4.x's config flag for Cohere's convention, and the one for GLM's.
 INTERLEAVED_FLAG, ADJACENT_PAIRS_FLAG = "rotary_interleaved_cos_sin", "rotary_adjacent_pairs"
@@ -92,18 +92,13 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, "the rotary attention bridge rotates Cohere's pairs as Llama's"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    rotary = context.bridge.rotary_attention_class
-    assert rotary is not None  # _applies said so
-    return [
-        Wrap(
-            rotary,
-            "forward",
-            rotating_cohere_in_pairs,
-            "rotary attention",
-            "Cohere's rotary positions may be applied as Llama's",
-        )
-    ]
+_patches = wrapping(
+    lambda context: context.bridge.rotary_attention_class,
+    "forward",
+    rotating_cohere_in_pairs,
+    "rotary attention",
+    "Cohere's rotary positions may be applied as Llama's",
+)
 
 
 FIX = Fix(

@@ -42,7 +42,7 @@ from safelens_tl.fixes._prompt_batches import (
     text_prompts,
 )
 from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Context, Fix, frozen, wrapping
 
 #: Keyword arguments under which the loop hands a cached step its cache.
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
@@ -190,16 +190,13 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, "TransformerBridge.generate runs a batch without an attention mask"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    return [
-        Wrap(
-            context.bridge.bridge_class,
-            "generate",
-            generating_padded_batch,
-            "generate options",
-            "prompts of different lengths may generate other text",
-        )
-    ]
+_patches = wrapping(
+    lambda context: context.bridge.bridge_class,
+    "generate",
+    generating_padded_batch,
+    "generate options",
+    "prompts of different lengths may generate other text",
+)
 
 
 FIX = Fix(

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.fixes.bridge._reconstructed_mask import applies, wrapping_the_mask
+from safelens_tl.registry import Fix, frozen
 
 
 def saturated(attention_mask: Any, scores_dtype: torch.dtype) -> Any:
@@ -75,16 +76,10 @@ def saturating_the_mask(original: Callable[..., Any]) -> Callable[..., Any]:
     return _apply_reconstruct_attention_mask
 
 
-def _patches(context: Context) -> list[Wrap]:
-    return [
-        Wrap(
-            context.bridge.attention_class,
-            "_apply_reconstruct_attention_mask",
-            saturating_the_mask,
-            "attention masks",
-            "padded rows may come out as NaN under autocast",
-        )
-    ]
+_patches = wrapping_the_mask(
+    saturating_the_mask,
+    "padded rows may come out as NaN under autocast",
+)
 
 
 FIX = Fix(
@@ -93,7 +88,7 @@ FIX = Fix(
     "from NaN logits",
     affects=frozen({"transformer-lens": ">=3.0,<5"}),
     remedy="a float32 mask saturates at the scores' dtype's minimum instead of becoming -inf",
-    applies=lambda context: (True, "the attention bridge masks reconstructed attention"),
+    applies=applies,
     patches=_patches,
     test_module="tests/test_bridge_mask_dtype.py",
     when_imported=(targets.BRIDGE_MODULE,),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Context, Fix, frozen, wrapping
 
 #: The keyword Hugging Face's decoder layers pass ``(cos, sin)`` under.
 EMBEDDINGS_ARGUMENT = "position_embeddings"
@@ -83,18 +83,13 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, "the rotary attention bridge rotates with Llama's function"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    rotary = context.bridge.rotary_attention_class
-    assert rotary is not None  # _applies said so
-    return [
-        Wrap(
-            rotary,
-            "forward",
-            rotating_in_model_dtype,
-            "rotary attention",
-            "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
-        )
-    ]
+_patches = wrapping(
+    lambda context: context.bridge.rotary_attention_class,
+    "forward",
+    rotating_in_model_dtype,
+    "rotary attention",
+    "float16 and bfloat16 OLMo models may fail with a dtype mismatch in attention",
+)
 
 
 FIX = Fix(

@@ -32,7 +32,7 @@ from typing import Any
 from safelens_tl import targets
 from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.patching import Patch
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Context, Fix, frozen, wrapping
 
 SOURCE = "safelens_tl.builtin_plugins.bridge"
 OLD_NAME = bridge_cache.SHIM_OLD_NAME
@@ -103,16 +103,25 @@ def hands_sublayers_the_cache(block_bridge: type) -> bool:
     return OLD_NAME in built_forward_names(block_bridge)
 
 
-def sublayer_patches(block: Any) -> list[Patch]:
-    """Patches for the attention sublayer classes of ``block`` that hide ``past_key_values``."""
+def sublayers_patches(
+    block: Any, mark: str, needs: Callable[[Any], bool], wrapper: Callable[..., Any]
+) -> list[Patch]:
+    """Patches of the ``forward`` of ``block``'s sublayer classes that ``needs`` (given the
+    ``forward``) says need ``wrapper``; a ``forward`` that carries ``mark`` is wrapped already.
+    For this fix and :mod:`safelens_tl.fixes.bridge.t5_legacy_block`."""
     patches = []
     for layer in getattr(block, "layer", ()):
         owner = type(layer)
         forward = getattr(owner, "forward", None)
-        if forward is None or getattr(forward, MARK, False) or not hides_the_old_name(forward):
+        if forward is None or getattr(forward, mark, False) or not needs(forward):
             continue
-        patches.append(Patch(owner, "forward", showing_the_old_name(forward), plugin=SOURCE))
+        patches.append(Patch(owner, "forward", wrapper(forward), plugin=SOURCE))
     return patches
+
+
+def sublayer_patches(block: Any) -> list[Patch]:
+    """Patches for the attention sublayer classes of ``block`` that hide ``past_key_values``."""
+    return sublayers_patches(block, MARK, hides_the_old_name, showing_the_old_name)
 
 
 def reading_block_forward(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,19 +152,14 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, "the T5 block forward ignores the cache passed as `cache`"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    t5_block = context.bridge.t5_block_class
-    assert t5_block is not None  # _applies said so
-    return [
-        Wrap(
-            t5_block,
-            "forward",
-            reading_block_forward,
-            "transformers compatibility",
-            "it cannot be taught the `cache` argument of this transformers, so its cached "
-            "generation may ignore the cache",
-        )
-    ]
+_patches = wrapping(
+    lambda context: context.bridge.t5_block_class,
+    "forward",
+    reading_block_forward,
+    "transformers compatibility",
+    "it cannot be taught the `cache` argument of this transformers, so its cached "
+    "generation may ignore the cache",
+)
 
 
 FIX = Fix(

@@ -44,9 +44,8 @@ from safelens_tl import targets
 from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.fixes.bridge import t5_block as bridge_t5_block
 from safelens_tl.patching import Patch
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Context, Fix, frozen, wrapping
 
-SOURCE = "safelens_tl.builtin_plugins.bridge"
 #: What TransformerLens 3.x's block forward takes, and transformers 4's sublayers took.
 LEGACY_NAME = "past_key_value"
 #: The names transformers 5 passes a block its cache under (5.24 on, before 5.24).
@@ -100,16 +99,14 @@ def taking_the_block_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def takes_a_cache(forward: Any) -> bool:
+    """Whether a sublayer ``forward`` takes a transformers 5 cache (:func:`cache_name_taken`)."""
+    return cache_name_taken(forward) is not None
+
+
 def sublayer_patches(block: Any) -> list[Patch]:
     """Patches for the sublayer classes of ``block`` that take a transformers 5 cache."""
-    patches = []
-    for layer in getattr(block, "layer", ()):
-        owner = type(layer)
-        forward = getattr(owner, "forward", None)
-        if forward is None or getattr(forward, MARK, False) or cache_name_taken(forward) is None:
-            continue
-        patches.append(Patch(owner, "forward", taking_the_block_cache(forward), plugin=SOURCE))
-    return patches
+    return bridge_t5_block.sublayers_patches(block, MARK, takes_a_cache, taking_the_block_cache)
 
 
 def builds_a_legacy_forward(block_bridge: type) -> bool:
@@ -181,19 +178,14 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, "the T5 block forward never hands on a transformers 5 cache"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    t5_block = context.bridge.t5_block_class
-    assert t5_block is not None  # _applies said so
-    # Whatever transformers 5 calls the cache, this block forward never hands it on.
-    return [
-        Wrap(
-            t5_block,
-            "forward",
-            handing_sublayers_the_cache,
-            "transformers compatibility",
-            "its T5-family decoders may ignore the cache, or fail, with transformers 5",
-        )
-    ]
+# Whatever transformers 5 calls the cache, this block forward never hands it on.
+_patches = wrapping(
+    lambda context: context.bridge.t5_block_class,
+    "forward",
+    handing_sublayers_the_cache,
+    "transformers compatibility",
+    "its T5-family decoders may ignore the cache, or fail, with transformers 5",
+)
 
 
 FIX = Fix(

@@ -32,7 +32,7 @@ import torch
 
 from safelens_tl import targets
 from safelens_tl.fixes.bridge import _positions as bridge_positions
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Fix, frozen, wrapping
 
 #: Inputs with one column per token, and how Hugging Face's ``generate`` extends them by one
 #: generated token: ``True`` with zeros (a text token), ``False`` with the last column.
@@ -136,16 +136,13 @@ def restore_media(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             kwargs[name] = _extended(name, value, new_tokens)
 
 
-def _patches(context: Context) -> list[Wrap]:
-    return [
-        Wrap(
-            context.bridge.bridge_class,
-            "generate",
-            passing_media_at_every_step,
-            "generate options",
-            "an uncached generate from an image or a sound sees it at its first step only",
-        )
-    ]
+_patches = wrapping(
+    lambda context: context.bridge.bridge_class,
+    "generate",
+    passing_media_at_every_step,
+    "generate options",
+    "an uncached generate from an image or a sound sees it at its first step only",
+)
 
 
 FIX = Fix(

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from safelens_tl import activation, targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.fixes.hooked._layer_classes import builds, wrapping_init
+from safelens_tl.registry import Fix, frozen
 
 #: TransformerLens's name for the positional embedding this fixes.
 ALIBI = "alibi"
@@ -84,17 +85,8 @@ def fitting_alibi(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _applies(context: Context) -> tuple[bool, str]:
-    if context.layout.model_class() is None:
-        return False, "this release has no HookedTransformer"
-    if targets.optional_class(targets.HOOKED_ATTENTION_CLASS) is None:
-        return False, f"this release has no {targets.HOOKED_ATTENTION_CLASS}"
-    return True, f"this release builds {targets.HOOKED_ATTENTION_CLASS.rsplit('.', 1)[-1]} layers"
-
-
-def _patches(context: Context) -> list[Wrap]:
-    owner = targets.optional_class(targets.HOOKED_ATTENTION_CLASS)
-    return [] if owner is None else [Wrap(owner, "__init__", fitting_alibi)]
+_applies = builds(targets.HOOKED_ATTENTION_CLASS)
+_patches = wrapping_init(targets.HOOKED_ATTENTION_CLASS, fitting_alibi)
 
 
 FIX = Fix(

@@ -47,7 +47,8 @@ import torch
 
 from safelens_tl import targets
 from safelens_tl.fixes._prompt_batches import RETURNS_TEXT, mask_from_lengths
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.fixes.hooked._generate_steps import is_generates_residual_call, step_wraps
+from safelens_tl.registry import Context, Fix, frozen
 
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
 LEARNED_POSITIONS = ("standard", "shortformer")
@@ -245,7 +246,7 @@ def masked_step_residual(get_residual: Callable[..., Any]) -> Callable[..., Any]
     @functools.wraps(get_residual)
     def residual(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = _generating.get()
-        if state is not None and state.model is self and len(args) <= 2 and "tokens" not in kwargs:
+        if state is not None and state.model is self and is_generates_residual_call(args, kwargs):
             placeholder = kwargs.get("attention_mask")
             if placeholder is not None:
                 if state.prompt_mask is None:
@@ -296,17 +297,7 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} builds generate's step mask from zeros"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    model = context.layout.model_class()
-    original = None if model is None else model.__dict__.get("generate")
-    if model is None or not callable(original):
-        return []
-    return [
-        # Outermost: the reservation then sees the tokens a list was turned into.
-        Wrap(model, "generate", lambda inner: masking_generate(inner, original)),
-        Wrap(model, "get_residual", masked_step_residual),
-        Wrap(model, "forward", masked_step_forward),
-    ]
+_patches = step_wraps(masking_generate, masked_step_residual, masked_step_forward)
 
 
 FIX = Fix(

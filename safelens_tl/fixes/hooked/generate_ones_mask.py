@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.fixes.hooked._generate_steps import is_generates_residual_call, step_wraps
+from safelens_tl.registry import Context, Fix, frozen
 
 
 @dataclass
@@ -77,7 +78,7 @@ def recording_residual(get_residual: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(get_residual)
     def residual(self: Any, *args: Any, **kwargs: Any) -> Any:
         state = _generating.get()
-        if state is not None and state.model is self and len(args) <= 2 and "tokens" not in kwargs:
+        if state is not None and state.model is self and is_generates_residual_call(args, kwargs):
             mask = kwargs.get("attention_mask")
             if mask is not None:
                 if state.all_ones is None:
@@ -110,16 +111,7 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} passes an all-ones mask at every step"
 
 
-def _patches(context: Context) -> list[Wrap]:
-    model = context.layout.model_class()
-    original = None if model is None else model.__dict__.get("generate")
-    if model is None or not callable(original):
-        return []
-    return [
-        Wrap(model, "generate", lambda inner: marking_generate(inner, original)),
-        Wrap(model, "get_residual", recording_residual),
-        Wrap(model, "forward", unmasked_forward),
-    ]
+_patches = step_wraps(marking_generate, recording_residual, unmasked_forward)
 
 
 FIX = Fix(

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from safelens_tl import targets
+from safelens_tl.fixes.hooked._layer_classes import builds, wrapping_init
 from safelens_tl.kv.entry import resolve_dtype
-from safelens_tl.registry import Context, Fix, Wrap, frozen
+from safelens_tl.registry import Fix, frozen
 
 
 def in_model_dtype(original: Callable[..., None]) -> Callable[..., None]:
@@ -37,17 +38,8 @@ def in_model_dtype(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _applies(context: Context) -> tuple[bool, str]:
-    if context.layout.model_class() is None:
-        return False, "this release has no HookedTransformer"
-    if targets.optional_class(targets.HOOKED_MOE_CLASS) is None:
-        return False, f"this release has no {targets.HOOKED_MOE_CLASS}"
-    return True, f"this release builds {targets.HOOKED_MOE_CLASS.rsplit('.', 1)[-1]} layers"
-
-
-def _patches(context: Context) -> list[Wrap]:
-    owner = targets.optional_class(targets.HOOKED_MOE_CLASS)
-    return [] if owner is None else [Wrap(owner, "__init__", in_model_dtype)]
+_applies = builds(targets.HOOKED_MOE_CLASS)
+_patches = wrapping_init(targets.HOOKED_MOE_CLASS, in_model_dtype)
 
 
 FIX = Fix(
