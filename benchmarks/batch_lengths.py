@@ -1,10 +1,10 @@
 """What a batch of text prompts of different lengths costs, stock against safelens-tl.
 
 On TransformerLens 2.13 to 3.0.0, ``HookedTransformer.generate`` masks no padding: safelens-tl
-masks it within the batch (``safelens_tl/hooked_generate_mask.py``). On 3.0 to 3.7
+masks it within the batch (``safelens_tl/fixes/hooked/generate_mask.py``). On 3.0 to 3.7
 ``TransformerBridge.generate`` uses no attention mask: safelens-tl generates such a batch one call
-per token count (``safelens_tl/bridge_generate_batch.py``). Other releases run the batch as stock
-does. This
+per token count (``safelens_tl/fixes/bridge/generate_batch.py``). Other releases run the batch as
+stock does. This
 prints, per number of distinct prompt lengths, the median time of one cached greedy ``generate``
 of 8 prompts (CPU, float32, one torch thread), stock and patched in the same process, and their
 ratio, with how many of each variant's rows equal its own generation of the prompt alone.
@@ -31,7 +31,8 @@ from kv_cache import patched
 from rich.console import Console
 from rich.table import Table
 
-from safelens_tl import bridge_hf_generate_mask, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
 
 PROMPTS = 8
 NEW_TOKENS = 16

@@ -37,7 +37,9 @@ from generation import patched as patched
 from generation import prompt_tokens
 
 import safelens_tl
-from safelens_tl import kv_cache, kv_storage, targets
+from safelens_tl import targets
+from safelens_tl.kv import entry as kv_cache
+from safelens_tl.kv import storage as kv_storage
 
 BATCH, HEADS, D_HEAD = 4, 8, 64
 
@@ -531,7 +533,7 @@ def long_model(n_ctx: int, wide: bool = False) -> Any:
     )
     model = HookedTransformer(cfg, tokenizer=models.load_tokenizer()).eval()
     # Padded with BOS, not id 0: TransformerLens 2.13-3.0.0's generate drops this model's learned
-    # positions for a pad id of 0 and safelens-tl does not (safelens_tl.hooked_generate_mask),
+    # positions for a pad id of 0 and safelens-tl does not (safelens_tl.fixes.hooked.generate_mask),
     # so stock and patched would generate other tokens, and stop at EOS at other steps. (Set on
     # the model's tokenizer: TransformerLens loads its own copy of the one it is given.)
     model.tokenizer.pad_token_id = model.tokenizer.bos_token_id

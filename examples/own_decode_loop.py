@@ -1,7 +1,7 @@
 """Your own decoding loop over TransformerLens's KV cache: bf16 under autocast, sized once.
 
 ``HookedTransformer.generate`` sizes its cache by itself. In a loop of your own, tell safelens-tl
-the final length with ``kv_storage.reserve`` and each layer's cache is allocated once, with no
+the final length with ``kv.storage.reserve`` and each layer's cache is allocated once, with no
 spare; without it the cache grows by 25% at a time. Runs offline on a tiny random model.
 TransformerLens 2.x/3.x (HookedTransformer); on 4.x it says so and exits.
 """
@@ -20,7 +20,7 @@ except ImportError:
     sys.exit(0)
 
 import safelens_tl.patch  # noqa: F401  (activates; not needed once auto-activation is installed)
-from safelens_tl import kv_storage
+from safelens_tl.kv import storage as kv_storage
 from safelens_tl.verify.models import build_model
 
 try:  # TransformerLens 3.x

@@ -46,7 +46,7 @@ class Status:
     pending: tuple[str, ...] = field(default_factory=tuple)
     #: Worth knowing, not a failure (e.g. a TransformerLens recognised by its classes); warned.
     notes: tuple[str, ...] = field(default_factory=tuple)
-    #: Every fix of the registry (:mod:`safelens_tl.fixes_registry`): whether it applies to this
+    #: Every fix of the registry (:mod:`safelens_tl.fixes`): whether it applies to this
     #: install and why, and whether it is installed, pending on an import, or failed.
     fixes: tuple[FixState, ...] = field(default_factory=tuple)
 
@@ -167,14 +167,17 @@ def _publish(failures: Iterable[Failure], base: Status | None = None) -> Status:
 
 
 def _fix_states() -> tuple[FixState, ...]:
-    """Each registry record's state, once the built-in plugins have loaded the registry.
+    """Each record's state, once the built-in plugins have loaded the list of fixes.
 
-    Read from ``sys.modules``, never imported here: the registry imports every fix module (and
-    torch), which a report before TransformerLens is imported must not pay for.
+    Read from ``sys.modules``, never imported here: the list imports every fix module (and
+    torch), which a report before TransformerLens is imported must not pay for. The list hands
+    its records to :func:`safelens_tl.registry.publish`; the engine names no fix.
     """
     registry = sys.modules.get("safelens_tl.registry")
-    fixes = getattr(sys.modules.get("safelens_tl.fixes_registry"), "FIXES", None)
-    if registry is None or fixes is None:
+    if registry is None:
+        return ()
+    fixes = registry.published()
+    if not fixes:
         return ()
     pending = [module for module, _ in _state.waiting]
     installed = [i.patch for i in _state.installed]

@@ -36,7 +36,7 @@ class Failure:
 
 
 #: Modules of the built-in plugins (registered through the same entry-point group as any other).
-BUILTINS = ("safelens_tl.builtin_plugin", "safelens_tl.bridge_plugin")
+BUILTINS = ("safelens_tl.builtin_plugins.hooked", "safelens_tl.builtin_plugins.bridge")
 
 
 def _describe(error: BaseException) -> str:

@@ -1,14 +1,14 @@
 """The record of one fix (:class:`Fix`) and how the plugins turn records into patches.
 
-Each fix module ends with its ``FIX = Fix(...)``; :data:`safelens_tl.fixes_registry.FIXES` is the
+Each fix module ends with its ``FIX = Fix(...)``; :data:`safelens_tl.fixes.FIXES` is the
 one ordered list of them. The plugins ask :func:`build` for the patches of the records triggered
 by one module's import; ``status()`` asks :func:`states` what became of each record, and
-``python -m safelens_tl.fixes_registry --write docs/fixes.md`` regenerates that file's table of
+``python -m safelens_tl.fixes --write docs/fixes.md`` regenerates that file's table of
 fixes from the records (``tests/test_registry.py`` fails while the committed table is stale).
 
 Several records may change the same method (``TransformerBridge.generate`` has three fixes): each
 contributes a :class:`Wrap`, and :func:`build` composes the contributions to one attribute into
-one replacement, the earliest record in :data:`~safelens_tl.fixes_registry.FIXES` outermost. One
+one replacement, the earliest record in :data:`~safelens_tl.fixes.FIXES` outermost. One
 patch per attribute keeps ``deactivate()`` exact and a third-party patch of it a reported conflict.
 
 Imported at activation only (never by the start-up hook): it imports ``packaging`` and the
@@ -158,6 +158,20 @@ class FixState:
 _lock = threading.Lock()
 #: Each record's latest decision, by id (replaced at each build of its module).
 _decisions: dict[str, Decision] = {}
+#: The records ``status()`` reports on, in order (:func:`publish`).
+_published: tuple[Fix, ...] = ()
+
+
+def publish(fixes: Iterable[Fix]) -> None:
+    """Make ``fixes`` the records ``status()`` reports on: the list of fixes hands itself over
+    when it is imported (by the built-in plugins), so that the engine names no fix."""
+    global _published
+    _published = tuple(fixes)
+
+
+def published() -> tuple[Fix, ...]:
+    """The records handed over by :func:`publish` (none before the list of fixes is imported)."""
+    return _published
 
 
 def _describe(error: BaseException) -> str:
@@ -247,6 +261,25 @@ def composed(original: Callable[..., Any], *wrappers: Wrapper) -> Callable[..., 
     return result
 
 
+def wrapping(
+    owner: Callable[[Context], type | None],
+    attribute: str,
+    wrapper: Wrapper,
+    area: str | None = None,
+    consequence: str = "",
+) -> PatchBuilder:
+    """A record's ``patches`` that wrap one method, ``owner(context).<attribute>``, by ``wrapper``
+    (:class:`Wrap` says what ``area`` and ``consequence`` mean). The record's detector has found
+    the owner: a release without it is one the record does not apply to."""
+
+    def patches(context: Context) -> list[Wrap]:
+        found = owner(context)
+        assert found is not None  # the detector said so
+        return [Wrap(found, attribute, wrapper, area, consequence)]
+
+    return patches
+
+
 def own_method(owner: type, name: str) -> Callable[..., Any] | None:
     """``owner.<name>`` where ``owner`` defines it itself and it is callable, else ``None``."""
     method = owner.__dict__.get(name)
@@ -308,9 +341,7 @@ def markdown(fixes: Iterable[Fix]) -> str:
 
 
 #: Where the generated table starts and ends in ``docs/fixes.md`` (the text around it is kept).
-BEGIN = (
-    "<!-- generated from safelens_tl/fixes_registry.py: python -m safelens_tl.fixes_registry -->"
-)
+BEGIN = "<!-- generated from safelens_tl/fixes/__init__.py: python -m safelens_tl.fixes -->"
 END = "<!-- end of the generated table -->"
 
 

@@ -72,25 +72,25 @@ HOOKED_LOADING_MODULE = "transformer_lens.loading_from_pretrained"
 #: The module ``HookedTransformer.generate`` calls ``utils.get_attention_mask`` through
 #: (TransformerLens 2.x and 3.x; 3.0 defines it in ``utilities.tokenize_utils`` and re-exports it).
 #: Its calls on a placeholder of zeros are answered once per ``generate`` where that placeholder
-#: exists (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`; :mod:`safelens_tl.hooked_zeros_mask`).
+#: exists (:data:`HOOKED_GENERATE_MASKS_NO_PADDING`; :mod:`safelens_tl.fixes.hooked.zeros_mask`).
 HOOKED_UTILS_MODULE = "transformer_lens.utils"
 
 #: HookedTransformer's attention base (TransformerLens 2.x and 3.x): its ALiBi layers get their
-#: bias sized to each forward (:mod:`safelens_tl.hooked_alibi`).
+#: bias sized to each forward (:mod:`safelens_tl.fixes.hooked.alibi`).
 HOOKED_ATTENTION_CLASS = "transformer_lens.components.abstract_attention.AbstractAttention"
 #: HookedTransformer's mixture-of-experts layer (Mixtral, OLMoE), built in the model's dtype
-#: (:mod:`safelens_tl.hooked_moe_dtype`). Not every release has it.
+#: (:mod:`safelens_tl.fixes.hooked.moe_dtype`). Not every release has it.
 HOOKED_MOE_CLASS = "transformer_lens.components.mlps.moe.MoE"
 #: Where ``simple_attn_linear`` (queries, keys, values) is defined (TransformerLens 2.x and 3.x),
 #: and the attention modules that import it by name and call it through their own globals
-#: (:mod:`safelens_tl.hooked_weight_copies`).
+#: (:mod:`safelens_tl.fixes.hooked.weight_copies`).
 HOOKED_ATTENTION_LINEAR_MODULE = "transformer_lens.utilities.attention"
 HOOKED_ATTENTION_LINEAR_USERS: tuple[str, ...] = (
     "transformer_lens.components.abstract_attention",
     "transformer_lens.components.grouped_query_attention",
 )
 #: Layers whose forward copies a weight matrix at every call in TransformerLens 3.0-3.9
-#: (:mod:`safelens_tl.hooked_weight_copies`); each is rewritten only where its source does.
+#: (:mod:`safelens_tl.fixes.hooked.weight_copies`); each is rewritten only where its source does.
 HOOKED_GATED_MLP_CLASS = "transformer_lens.components.mlps.gated_mlp.GatedMLP"
 HOOKED_UNEMBED_CLASS = "transformer_lens.components.unembed.Unembed"
 HOOKED_GQA_CLASS = "transformer_lens.components.grouped_query_attention.GroupedQueryAttention"
@@ -108,29 +108,29 @@ ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.attention.AttentionBridge"
 )
 #: The rotary attention bridge that rotates queries and keys with Llama's function whatever the
-#: model (see :mod:`safelens_tl.bridge_rotary_dtype`).
+#: model (see :mod:`safelens_tl.fixes.bridge.rotary_dtype`).
 ROTARY_ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.position_embeddings_attention."
     "PositionEmbeddingsAttentionBridge"
 )
 #: CodeGen's attention bridge, which looks its rotary angles up in a table transformers 5.24 moved
-#: (see :mod:`safelens_tl.bridge_codegen`).
+#: (see :mod:`safelens_tl.fixes.bridge.codegen`).
 CODEGEN_ATTENTION_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.codegen_attention.CodeGenAttentionBridge"
 )
 #: The linear-attention bridge of Qwen3-Next and Qwen3.5, whose hooked (uncached) forward in
 #: TransformerLens 3.9 reads two functions from Hugging Face's layer that transformers 5.15+ keeps
-#: at module level (see :mod:`safelens_tl.bridge_gated_delta`).
+#: at module level (see :mod:`safelens_tl.fixes.bridge.gated_delta`).
 GATED_DELTA_NET_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.gated_delta_net.GatedDeltaNetBridge"
 )
 #: The block bridge of T5, mT5 and LongT5, whose own block forward takes the cache as
-#: ``past_key_values`` (see :mod:`safelens_tl.bridge_t5_block`).
+#: ``past_key_values`` (see :mod:`safelens_tl.fixes.bridge.t5_block`).
 T5_BLOCK_BRIDGE_CLASS = (
     "transformer_lens.model_bridge.generalized_components.t5_block.T5BlockBridge"
 )
 #: Architecture adapters whose ``create_stateful_cache`` imports a cache class later transformers
-#: removed (see :mod:`safelens_tl.bridge_hybrid_cache`). Not every release has each.
+#: removed (see :mod:`safelens_tl.fixes.bridge.hybrid_cache`). Not every release has each.
 STATEFUL_CACHE_ADAPTERS: tuple[str, ...] = (
     "transformer_lens.model_bridge.supported_architectures.olmo_hybrid."
     "OlmoHybridArchitectureAdapter",
@@ -165,8 +165,8 @@ RECONSTRUCTING_ATTENTION_BRIDGES: tuple[str, ...] = (
 #: each with the method that path runs. Not every release has each.
 STATE_CACHE_READERS: dict[str, str] = {GATED_DELTA_NET_BRIDGE_CLASS: "_native_forward"}
 #: State-space mixer bridges whose Hugging Face mixer multiplies its input by the attention mask it
-#: is given (Mamba, FalconMamba); see :mod:`safelens_tl.bridge_state_mask`. Mamba-2's bridge is
-#: not listed: its Hugging Face model trims the mask before its mixers see it.
+#: is given (Mamba, FalconMamba); see :mod:`safelens_tl.fixes.bridge.state_mask`. Mamba-2's bridge
+#: is not listed: its Hugging Face model trims the mask before its mixers see it.
 STATE_SPACE_MIXERS: tuple[str, ...] = (
     "transformer_lens.model_bridge.generalized_components.ssm_mixer.SSMMixerBridge",
 )

@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import safelens_tl
-from safelens_tl import kv_storage, targets
+from safelens_tl import targets
+from safelens_tl.kv import storage as kv_storage
 
 # Hypothesis profiles. "ci" is the default: >= 1000 property examples in a plain run.
 # The function-scoped fixtures here only reset activation, which every example may share.
@@ -76,7 +77,7 @@ def stock_with_positions(model: Any) -> Iterator[None]:
 
     TransformerLens 2.13 to 3.0.0's ``generate`` drops learned positions when that id is 0, and
     safelens-tl returns on purpose what the release returns for any other pad id
-    (:mod:`safelens_tl.hooked_generate_mask`): the stock answer to compare with. Elsewhere,
+    (:mod:`safelens_tl.fixes.hooked.generate_mask`): the stock answer to compare with. Elsewhere,
     and for other pad ids, nothing changes.
     """
     tokenizer = getattr(model, "tokenizer", None)
@@ -97,11 +98,12 @@ def stock_with_positions(model: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def weights_read_in_place() -> Iterator[None]:
     """Stock TransformerLens plus only safelens-tl's weight-copy patches
-    (:mod:`safelens_tl.hooked_weight_copies`), for tests that hold another patch to stock's
+    (:mod:`safelens_tl.fixes.hooked.weight_copies`), for tests that hold another patch to stock's
     numbers bitwise: reading a weight in place changes the last bits of one-row float32 and of
     float16 products, which is not what those tests are about. Use while safelens-tl is
     inactive."""
-    from safelens_tl import hooked_weight_copies, patching
+    from safelens_tl import patching
+    from safelens_tl.fixes.hooked import weight_copies as hooked_weight_copies
 
     installed = [patching.install(patch) for patch in hooked_weight_copies.patches()]
     try:

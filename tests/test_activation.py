@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import safelens_tl
-from safelens_tl import kv_cache
 from safelens_tl.activation import SafelensWarning
+from safelens_tl.kv import entry as kv_cache
 from tests.conftest import LAYOUT, RELEASE
 
 pytestmark = pytest.mark.startup
@@ -101,7 +101,8 @@ def test_import_patch_in_a_fresh_interpreter() -> None:
     code = (
         "import os; os.environ['SAFELENS_TL_AUTOPATCH'] = '0'\n"
         "import safelens_tl.patch, safelens_tl\n"
-        "from safelens_tl import targets, kv_cache\n"
+        "from safelens_tl import targets\n"
+        "from safelens_tl.kv import entry as kv_cache\n"
         "assert targets.locate().entry_class.__dict__['append'] is kv_cache.append\n"
         "print(safelens_tl.status().active)\n"
     )

@@ -29,6 +29,8 @@ import pytest
 from safelens_tl import _startup, targets
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT
 
+pytestmark = pytest.mark.startup
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "pluggy", "importlib.metadata", "transformer_lens")
 #: What the hook may import before transformer_lens: its own modules and ``__future__``.
@@ -116,7 +118,8 @@ PLAIN_IMPORT = """
 import json, sys
 before = sorted(m for m in sys.modules if m in {heavy!r} or m.startswith("safelens_tl"))
 import transformer_lens
-from safelens_tl import _startup, kv_cache, targets
+from safelens_tl import _startup, targets
+from safelens_tl.kv import entry as kv_cache
 import safelens_tl
 
 entry = targets.locate().entry_class
@@ -156,7 +159,8 @@ OPT_OUT_AFTER_START_UP = f"""
 import json, os
 os.environ[{_startup.ENV_VAR!r}] = "0"  # as a notebook would, before its first import
 import {ENTRY_MODULE}
-from safelens_tl import _startup, kv_cache, targets
+from safelens_tl import _startup, targets
+from safelens_tl.kv import entry as kv_cache
 patched = targets.locate().entry_class.append is kv_cache.append
 print({MARK!r} + json.dumps([_startup.state, patched]))
 """
@@ -168,7 +172,8 @@ def probe(module_name):
     import importlib
     before = "transformer_lens" in sys.modules
     importlib.import_module(module_name)  # a submodule first: the package is imported on the way
-    from safelens_tl import _startup, kv_cache, targets
+    from safelens_tl import _startup, targets
+    from safelens_tl.kv import entry as kv_cache
     patched = targets.locate().entry_class.append is kv_cache.append
     return {{"before": before, "state": _startup.state, "patched": patched, "pid": os.getpid()}}
 
@@ -188,7 +193,8 @@ import safelens_tl
 from safelens_tl import _startup
 explicit = safelens_tl.patch.STATUS.patched
 report = safelens_tl.deactivate()
-from safelens_tl import kv_cache, targets
+from safelens_tl import targets
+from safelens_tl.kv import entry as kv_cache
 restored = targets.locate().entry_class.append is not kv_cache.append
 print({MARK!r} + json.dumps([_startup.state, explicit, restored, report.failures]))
 """
@@ -201,9 +207,8 @@ sys.path.append(site_packages)
 import transformer_lens
 hook_ran_before = "safelens_tl._startup" in sys.modules
 site.addsitedir(site_packages)
-from safelens_tl import _startup, kv_cache, targets
-
-pytestmark = pytest.mark.startup
+from safelens_tl import _startup, targets
+from safelens_tl.kv import entry as kv_cache
 patched = targets.locate().entry_class.append is kv_cache.append
 print({MARK!r} + json.dumps([hook_ran_before, _startup.state, patched]))
 """

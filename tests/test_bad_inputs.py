@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import kv_storage
+from safelens_tl.kv import storage as kv_storage
 from tests.conftest import LAYOUT, make_cfg
 
 BATCH, CACHED, HEADS, D_HEAD = 2, 3, 4, 8

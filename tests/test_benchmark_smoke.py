@@ -587,7 +587,7 @@ def test_batch_lengths_prints_its_table_for_transformer_bridge() -> None:
     rows = _batch_lengths_rows("--api", "bridge")
     assert (rows is None) == (not HAS_BRIDGE)
     if rows is not None:
-        from safelens_tl import bridge_hf_generate_mask
+        from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
 
         generate = targets.locate_bridge().bridge_class.__dict__["generate"]
         maskless = bridge_hf_generate_mask.drops_the_attention_mask(inspect.unwrap(generate))
@@ -744,8 +744,8 @@ def test_the_patched_generate_launches_no_more_kernels_than_stock() -> None:
     here), patched writes each step with one ``copy_`` where stock runs one ``cat``; only the
     buffers' allocation and the prompt's write into them are extra. On TransformerLens 3.1-3.9
     the unpadded batch's all-ones mask is left out of attention
-    (:mod:`safelens_tl.hooked_generate_ones_mask`), and on 2.13-3.0.0 the step mask of zeros is
-    computed once per ``generate`` (:mod:`safelens_tl.hooked_zeros_mask`): each saves more
+    (:mod:`safelens_tl.fixes.hooked.generate_ones_mask`), and on 2.13-3.0.0 the step mask of zeros
+    is computed once per ``generate`` (:mod:`safelens_tl.fixes.hooked.zeros_mask`): each saves more
     kernels than those add."""
     operation_counts = benchmark_module("operation_counts")
     counts = operation_counts.count(80, 6, 4)

@@ -1,5 +1,5 @@
 """A padding-only 4-D attention mask keeps TransformerBridge's causal mask
-(:mod:`safelens_tl.bridge_attention_mask`).
+(:mod:`safelens_tl.fixes.bridge.attention_mask`).
 
 OpenAI GPT hands its layers ``[batch, 1, 1, keys]`` masks; TransformerBridge took every 4-D mask
 for a full causal one, so a forward with an ``attention_mask`` attended to later positions. A real
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_attention_mask
+from safelens_tl.fixes.bridge import attention_mask as bridge_attention_mask
 from safelens_tl.verify import bridge, checks, runner
 from tests.conftest import architecture_folder, requires_bridge
 

@@ -21,7 +21,10 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, bridge_t5_block, bridge_t5_legacy_block, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
+from safelens_tl.fixes.bridge import t5_block as bridge_t5_block
+from safelens_tl.fixes.bridge import t5_legacy_block as bridge_t5_legacy_block
 from safelens_tl.verify import bridge, checks
 from tests.conftest import requires_bridge, subclasses
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache_writes, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache_writes as bridge_cache_writes
 from safelens_tl.verify import bridge, models
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge, subclasses
 
@@ -78,7 +79,7 @@ def test_an_alibi_bridge_generates_right_with_its_cache(name: str, dtype: torch.
     stock = architectures.run(folder, active=False, dtype=dtype)
     assert stock.wrong(), stock  # the cache is ignored: what the patch fixes
     # On TransformerLens 3.0 this also needs the cache Falcon passes as ``layer_past`` read
-    # (safelens_tl.bridge_cache.reading_update_kv_cache).
+    # (safelens_tl.fixes.bridge.cache.reading_update_kv_cache).
     assert patched.right(), patched
     assert patched.cache_dtype == str(dtype).removeprefix("torch."), patched
 
@@ -95,7 +96,8 @@ def test_every_attention_bridge_that_skips_the_cache_is_listed() -> None:
 
 def test_only_the_bridges_that_skip_the_cache_are_patched() -> None:
     """The head split is patched only where such a bridge exists; deactivation restores all.
-    (CodeGen's reconstruction is wrapped for its rotation, :mod:`safelens_tl.bridge_codegen`.)"""
+    (CodeGen's reconstruction is wrapped for its rotation,
+    :mod:`safelens_tl.fixes.bridge.codegen`.)"""
     layout = targets.locate_bridge()
     split = layout.attention_class.__dict__["_reshape_qkv_to_heads"]
     originals = {c: c.__dict__.get("_reconstruct_attention") for c in _every_attention_bridge()}

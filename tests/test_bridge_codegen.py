@@ -3,7 +3,7 @@
 TransformerLens's CodeGen attention bridge read two attributes transformers 5.24 removed from
 Hugging Face's ``CodeGenAttention`` (``embed_positions``, ``scale_attn``), so every forward raised;
 with older transformers it kept float32 rotated keys beside half-precision values and failed in
-float16 and bfloat16 (:mod:`safelens_tl.bridge_codegen`). Real bridges on a tiny random
+float16 and bfloat16 (:mod:`safelens_tl.fixes.bridge.codegen`). Real bridges on a tiny random
 checkpoint, against the bridge's own uncached forward and Hugging Face's.
 """
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_codegen, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import codegen as bridge_codegen
 from safelens_tl.verify import bridge, checks, runner
 from tests.conftest import architecture_folder, requires_bridge
 
@@ -113,8 +114,8 @@ def test_float32_is_the_bridge_s_own_to_the_bit(patched: safelens_tl.activation.
 
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 def test_the_rotation_is_hugging_face_s(rotary_dim: int | None) -> None:
-    """:func:`~safelens_tl.bridge_codegen.rotate` equals Hugging Face's CodeGen rotation, on the
-    first ``rotary_dim`` features, the rest passed through."""
+    """:func:`~safelens_tl.fixes.bridge.codegen.rotate` equals Hugging Face's CodeGen rotation, on
+    the first ``rotary_dim`` features, the rest passed through."""
     codegen = _hugging_face_codegen()
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 8, generator=generator)

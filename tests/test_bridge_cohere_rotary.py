@@ -1,7 +1,7 @@
 """Cohere's rotary positions through TransformerBridge's rotary attention.
 
 TransformerLens 3.9's rotary attention bridge rotated Cohere's queries and keys as Llama's
-(:mod:`safelens_tl.bridge_cohere_rotary`): the logits of the bridge's own forward were not
+(:mod:`safelens_tl.fixes.bridge.cohere_rotary`): the logits of the bridge's own forward were not
 Hugging Face's, cached or not. TransformerLens 4.x rotates them right by itself. TransformerLens
 3.0's knows Llama's rotation only, which no change of ``cos``/``sin`` turns into Cohere's: there
 the model tests are expected to fail (strict), as a record of what is left wrong.
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cohere_rotary, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cohere_rotary as bridge_cohere_rotary
 from safelens_tl.verify import bridge, models
 from tests.conftest import architecture_folder, requires_bridge
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_conversion, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import conversion as bridge_conversion
 from safelens_tl.verify import bridge, checks
 from tests.conftest import requires_bridge
 

@@ -1,5 +1,5 @@
 """TransformerLens 3.9's hooked (uncached) linear attention runs where transformers keeps the
-layer's kernels at module level (transformers 5.15+: :mod:`safelens_tl.bridge_gated_delta`).
+layer's kernels at module level (transformers 5.15+: :mod:`safelens_tl.fixes.bridge.gated_delta`).
 Real bridges on tiny random Qwen3-Next and Qwen3.5 checkpoints; Hugging Face's own forward is
 the reference.
 """
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_gated_delta, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import gated_delta as bridge_gated_delta
 from safelens_tl.verify import bridge
 from tests.conftest import architecture_folder, requires_bridge
 

@@ -1,6 +1,6 @@
 """``TransformerBridge.generate`` on text prompts of different lengths gives each prompt the text
 it gets alone, and hooks see the batch as it was passed, where TransformerLens's own uses no
-attention mask (3.0 to 3.7: :mod:`safelens_tl.bridge_generate_batch`). Real bridges on the
+attention mask (3.0 to 3.7: :mod:`safelens_tl.fixes.bridge.generate_batch`). Real bridges on the
 sweep's tiny checkpoints; on releases with a mask the same assertions hold of the original
 method, and the stock halves are skipped there."""
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_generate_batch, bridge_hf_generate_mask, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import generate_batch as bridge_generate_batch
+from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 
 pytestmark = requires_bridge

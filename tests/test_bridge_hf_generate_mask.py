@@ -1,6 +1,6 @@
 """``TransformerBridge.hf_generate`` on a batch of prompts gives each prompt the tokens it gets
 alone, where TransformerLens's own drops the batch's attention mask (3.0 to 3.8.1:
-:mod:`safelens_tl.bridge_hf_generate_mask`). Real bridges on the sweep's tiny checkpoints."""
+:mod:`safelens_tl.fixes.bridge.hf_generate_mask`). Real bridges on the sweep's tiny checkpoints."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_hf_generate_mask, bridge_plugin, targets
+from safelens_tl import targets
+from safelens_tl.builtin_plugins import bridge as bridge_plugin
+from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
 from tests.conftest import RELEASE, architecture_folder, benchmark_module, requires_bridge
 
 PROMPTS = ["the cat runs", "a big old dog sleeps in the quiet house"]
@@ -36,7 +38,7 @@ def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(
     """Decoded text, batch against one prompt at a time, decoder-only and encoder-decoder. On a
     release that drops the mask, stock gives the shorter prompt of a batch other text than it
     gives that prompt alone (Llama; stock TransformerLens 3.x cannot run T5 with transformers
-    5.15+, :mod:`safelens_tl.bridge_t5_legacy_block`)."""
+    5.15+, :mod:`safelens_tl.fixes.bridge.t5_legacy_block`)."""
     model = _boot(architecture)
     alone = [model.hf_generate(prompt, **GREEDY) for prompt in PROMPTS]
     assert model.hf_generate(PROMPTS, **GREEDY) == alone
@@ -74,7 +76,7 @@ def test_the_patch_is_where_the_release_drops_the_mask_and_only_there(
 ) -> None:
     """The mask's wrapper is among ``hf_generate``'s on 3.0-3.8 only; 3.9 and 4.x pass the mask
     themselves. (``hf_generate`` is patched on every release for state-space models' options,
-    :mod:`safelens_tl.bridge_stateful_generate`; ``deactivate()`` removes it.)"""
+    :mod:`safelens_tl.fixes.bridge.stateful_generate`; ``deactivate()`` removes it.)"""
     bridge = targets.locate_bridge().bridge_class
     target = f"{bridge.__module__}.{bridge.__qualname__}.hf_generate"
     assert target in safelens_tl.status().patched

@@ -1,6 +1,7 @@
 """OLMo-Hybrid generates through TransformerBridge where transformers lacks the cache class
-TransformerLens's adapter imports (transformers after 5.9: :mod:`safelens_tl.bridge_hybrid_cache`).
-A real bridge on a tiny random checkpoint, against its own uncached forward and Hugging Face's.
+TransformerLens's adapter imports (transformers after 5.9:
+:mod:`safelens_tl.fixes.bridge.hybrid_cache`). A real bridge on a tiny random checkpoint, against
+its own uncached forward and Hugging Face's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_hybrid_cache
+from safelens_tl.fixes.bridge import hybrid_cache as bridge_hybrid_cache
 from safelens_tl.verify import bridge, runner
 from tests.conftest import architecture_folder, requires_bridge
 

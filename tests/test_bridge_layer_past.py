@@ -1,8 +1,8 @@
 """Attention modules that pass their cache as ``layer_past`` (Falcon, BLOOM, GPTBigCode) get it
 written through TransformerBridge on every release. TransformerLens 3.0's
 ``AttentionBridge._update_kv_cache`` reads ``past_key_values`` only, so there every cached step
-attended to itself alone (:func:`safelens_tl.bridge_cache.reading_update_kv_cache`). Real bridges
-on the sweep's tiny checkpoints.
+attended to itself alone (:func:`safelens_tl.fixes.bridge.cache.reading_update_kv_cache`). Real
+bridges on the sweep's tiny checkpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 
 ARCHITECTURES = ("FalconForCausalLM", "BloomForCausalLM", "GPTBigCodeForCausalLM")

@@ -1,5 +1,5 @@
 """A float32 attention mask added to half-precision scores saturates instead of becoming -inf
-(:mod:`safelens_tl.bridge_mask_dtype`).
+(:mod:`safelens_tl.fixes.bridge.mask_dtype`).
 
 Under ``torch.autocast`` TransformerBridge's reconstructed attention cast Hugging Face's float32
 mask to the scores' bfloat16, which turned every masked position into -inf: the leading pads of a
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_mask_dtype
+from safelens_tl.fixes.bridge import mask_dtype as bridge_mask_dtype
 from safelens_tl.verify import bridge, checks
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 

@@ -21,7 +21,7 @@ maps them into the tiny one. Gemma 3n is left out: TransformerLens 4.3 boots it 
 TransformerLens's own uncached ``generate`` (``use_past_kv_cache=False``) hands the pixels to the
 first step only and runs every later step over the whole sequence without them: its tokens drift
 from the second one on (TransformerLens 3.9 and 4.3). With safelens-tl every uncached step gets
-them (:mod:`safelens_tl.bridge_uncached_media`), and picks Hugging Face's tokens too.
+them (:mod:`safelens_tl.fixes.bridge.uncached_media`), and picks Hugging Face's tokens too.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import safetensors.torch
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, bridge_mrope_positions
+from safelens_tl.fixes.bridge import _mrope_positions as bridge_mrope_positions
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.verify import bridge, models
 from tests.conftest import architecture_folder, requires_bridge
 
@@ -569,9 +570,9 @@ def test_a_multimodal_rotary_model_stepped_without_positions_decodes_as_hugging_
 ) -> None:
     """Hugging Face's Qwen2.5-VL itself (no TransformerLens, so no torchvision), stepped as the
     bridge steps it from an image or a video, once fitted
-    (:mod:`safelens_tl.bridge_mrope_positions`, what the bridge does at its first call) picks the
-    tokens of its own ``generate``; unfitted, a step of one token gets a position for every column
-    of the mask, and the next step fails."""
+    (:mod:`safelens_tl.fixes.bridge._mrope_positions`, what the bridge does at its first call) picks
+    the tokens of its own ``generate``; unfitted, a step of one token gets a position for every
+    column of the mask, and the next step fails."""
     folder = _with_media_tokens_in_the_vocabulary(
         "Qwen2_5_VLForConditionalGeneration", tmp_path, video=True
     )

@@ -3,7 +3,7 @@
 Their rotary modules hand out ``cos``/``sin`` in float32, and the bridge's rotary attention
 rotated with Llama's function, which keeps the wider dtype: float32 queries and keys beside
 half-precision values; the first forward failed (transformers 5.24) or the KV cache held float32
-keys (5.23) (:mod:`safelens_tl.bridge_rotary_dtype`).
+keys (5.23) (:mod:`safelens_tl.fixes.bridge.rotary_dtype`).
 Real bridges on tiny random checkpoints, against the bridge's own uncached forward and Hugging
 Face's.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_rotary_dtype
+from safelens_tl.fixes.bridge import rotary_dtype as bridge_rotary_dtype
 from safelens_tl.verify import bridge, checks, runner
 from tests.conftest import architecture_folder, requires_bridge
 

@@ -2,9 +2,9 @@
 
 TransformerBridge's generate hands its state-space mixers the attention mask of every position at
 each one-position cached step; Hugging Face's Mamba and FalconMamba mixers multiply their input by
-it, which then broadcasts to every position (:mod:`safelens_tl.bridge_state_mask`). Real bridges
-on tiny random checkpoints, cached against the bridge's own uncached forward. (Mamba-2, whose own
-forward trims the mask, is in ``benchmarks/bridge_architectures.py`` and its test.)
+it, which then broadcasts to every position (:mod:`safelens_tl.fixes.bridge.state_mask`). Real
+bridges on tiny random checkpoints, cached against the bridge's own uncached forward. (Mamba-2,
+whose own forward trims the mask, is in ``benchmarks/bridge_architectures.py`` and its test.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_positions, bridge_state_mask, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import _positions as bridge_positions
+from safelens_tl.fixes.bridge import state_mask as bridge_state_mask
 from safelens_tl.verify import bridge, checks
 from tests.conftest import architecture_folder, requires_bridge
 
@@ -78,8 +80,8 @@ def test_a_batch_of_prompts_generates_right_through_a_state_space_model(
 def test_a_single_prompt_generates_right_through_bamba() -> None:
     """Bamba's forward counts positions from 0 at every call unless it is given ``position_ids``;
     TransformerBridge's generate for models with a state gives a single prompt only
-    ``cache_position``, which transformers 5 no longer reads (:mod:`safelens_tl.bridge_positions`).
-    Stock puts every generated token at position 0."""
+    ``cache_position``, which transformers 5 no longer reads
+    (:mod:`safelens_tl.fixes.bridge._positions`). Stock puts every generated token at position 0."""
     folder = architecture_folder("BambaForCausalLM")
     reference = bridge.reference_from(folder, torch.float32)
     safelens_tl.deactivate()

@@ -3,7 +3,7 @@
 TransformerBridge hands such a call to ``hf_generate``; TransformerLens 3.x drops
 ``stop_at_eos`` and ``repetition_penalty`` on the way, 3.x and 4.3 ``return_type``, and 3.x's
 ``hf_generate`` stops at the end-of-sequence token even when told not to
-(:mod:`safelens_tl.bridge_stateful_generate`). The tiny Bamba checkpoint picks the
+(:mod:`safelens_tl.fixes.bridge.stateful_generate`). The tiny Bamba checkpoint picks the
 end-of-sequence token first after the prompt below, which is what makes the difference show.
 """
 

@@ -1,7 +1,7 @@
 """T5, mT5 and LongT5 generate right through ``TransformerBridge.hf_generate`` where transformers
-passes the cache as ``cache`` (5.24 on: :mod:`safelens_tl.bridge_t5_block`), and through
+passes the cache as ``cache`` (5.24 on: :mod:`safelens_tl.fixes.bridge.t5_block`), and through
 TransformerLens 3.x's T5 block, written for transformers 4, with any transformers 5
-(:mod:`safelens_tl.bridge_t5_legacy_block`). Real bridges on tiny random encoder-decoder
+(:mod:`safelens_tl.fixes.bridge.t5_legacy_block`). Real bridges on tiny random encoder-decoder
 checkpoints; the same generation without the cache is the reference.
 """
 
@@ -16,7 +16,10 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache, bridge_t5_block, bridge_t5_legacy_block, targets
+from safelens_tl import targets
+from safelens_tl.fixes.bridge import cache as bridge_cache
+from safelens_tl.fixes.bridge import t5_block as bridge_t5_block
+from safelens_tl.fixes.bridge import t5_legacy_block as bridge_t5_legacy_block
 from tests.conftest import architecture_folder, benchmark_module, requires_bridge
 
 ARCHITECTURES = (

@@ -1,6 +1,6 @@
 """What an uncached step of TransformerBridge's ``generate`` gets of the prompt's media inputs
-(:mod:`safelens_tl.bridge_uncached_media`), call by call. Whole generations through real bridges
-are in ``tests/test_bridge_media.py``; here a plain function stands in for ``generate`` and
+(:mod:`safelens_tl.fixes.bridge.uncached_media`), call by call. Whole generations through real
+bridges are in ``tests/test_bridge_media.py``; here a plain function stands in for ``generate`` and
 reports what each call into the model would receive, so that every rule can be seen alone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from safelens_tl import bridge_uncached_media
+from safelens_tl.fixes.bridge import uncached_media as bridge_uncached_media
 
 PROMPT_LENGTH = 4
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import kv_cache
+from safelens_tl.kv import entry as kv_cache
 from safelens_tl.patching import MISSING
 from tests.conftest import requires_hooked_transformer
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from safelens_tl import kv_storage
+from safelens_tl.kv import storage as kv_storage
 from safelens_tl.verify import checks
 from tests.conftest import RELEASE, requires_hooked_transformer
 

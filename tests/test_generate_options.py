@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import kv_storage, targets
+from safelens_tl import targets
+from safelens_tl.kv import storage as kv_storage
 from safelens_tl.verify import checks
 from tests.conftest import RELEASE, requires_hooked_transformer, stock_with_positions
 

@@ -1,4 +1,4 @@
-"""HookedTransformer's ALiBi bias is sized to each forward (``safelens_tl.hooked_alibi``).
+"""HookedTransformer's ALiBi bias is sized to each forward (``safelens_tl.fixes.hooked.alibi``).
 
 Stock TransformerLens keeps each layer's bias at the longest key length it has seen and adds the
 rows of its last positions, so a forward after a longer one is offset by a constant per row: no
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_alibi
+from safelens_tl.fixes.hooked import alibi as hooked_alibi
 from safelens_tl.verify import checks, models, runner
 from tests.conftest import benchmark_module, requires_hooked_transformer
 

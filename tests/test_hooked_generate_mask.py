@@ -1,7 +1,8 @@
 """``HookedTransformer.generate`` on a padded batch gives each prompt what it gets alone, where
-TransformerLens's own masks no padding (2.13 to 3.0.0: :mod:`safelens_tl.hooked_generate_mask`).
-Real models and the real ``generate``; on releases that mask the padding (3.1 and later) the same
-assertions hold of the original method, which is what makes them the reference."""
+TransformerLens's own masks no padding (2.13 to 3.0.0:
+:mod:`safelens_tl.fixes.hooked.generate_mask`). Real models and the real ``generate``; on releases
+that mask the padding (3.1 and later) the same assertions hold of the original method, which is what
+makes them the reference."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_generate_mask, kv_cache, targets
+from safelens_tl import targets
+from safelens_tl.fixes.hooked import generate_mask as hooked_generate_mask
+from safelens_tl.kv import entry as kv_cache
 from safelens_tl.verify import checks
 from tests.conftest import LAYOUT, RELEASE, requires_hooked_transformer, tiny_model
 

@@ -1,5 +1,5 @@
 """``HookedTransformer.generate`` leaves its all-ones attention mask out of ``forward`` where
-nothing is padded (TransformerLens 3.1 to 3.9: :mod:`safelens_tl.hooked_generate_ones_mask`),
+nothing is padded (TransformerLens 3.1 to 3.9: :mod:`safelens_tl.fixes.hooked.generate_ones_mask`),
 and users see exactly what stock gives them: tokens, logits and every hook's activations, bitwise.
 Real models, the real ``generate``; stock runs the same call in the same process."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_generate_ones_mask, targets
+from safelens_tl import targets
+from safelens_tl.fixes.hooked import generate_ones_mask as hooked_generate_ones_mask
 from safelens_tl.verify import checks
 from tests.conftest import (
     LAYOUT,

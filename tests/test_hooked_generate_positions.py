@@ -1,5 +1,5 @@
 """``HookedTransformer.generate`` keeps learned positions where the tokenizer's pad token id is 0
-(TransformerLens 2.13 to 3.0.0: :mod:`safelens_tl.hooked_generate_mask`). Real models, the
+(TransformerLens 2.13 to 3.0.0: :mod:`safelens_tl.fixes.hooked.generate_mask`). Real models, the
 real ``generate``; the reference is the model's own forward, so the same assertions hold of stock
 on releases whose ``generate`` is right (3.1 and later)."""
 

@@ -1,6 +1,6 @@
 """HookedTransformer's mixture-of-experts layers are built in ``cfg.dtype``
-(``safelens_tl.hooked_moe_dtype``). Real HookedTransformer models: Mixtral's configuration, and
-tiny Mixtral and OLMoE checkpoints loaded by TransformerLens's own loader.
+(``safelens_tl.fixes.hooked.moe_dtype``). Real HookedTransformer models: Mixtral's configuration,
+and tiny Mixtral and OLMoE checkpoints loaded by TransformerLens's own loader.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HookedTransformer forwards copy no weight (``safelens_tl.hooked_weight_copies``).
+"""HookedTransformer forwards copy no weight (``safelens_tl.fixes.hooked.weight_copies``).
 
 Real tiny HookedTransformer models (GPT-2-like: standard MLP, learned positions; Llama-like:
 grouped-query attention, gated MLP, rotary), run through TransformerLens's own ``forward``,
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_weight_copies
-from safelens_tl.hooked_weight_copies import WeightCopyCounter
+from safelens_tl.fixes.hooked import weight_copies as hooked_weight_copies
+from safelens_tl.fixes.hooked.weight_copies import WeightCopyCounter
 from safelens_tl.verify import models
 from tests.conftest import (
     HAS_HOOKED_TRANSFORMER,

@@ -1,7 +1,7 @@
 """``HookedTransformer.generate``'s mask of zeros is computed once per ``generate`` instead of at
-every step (TransformerLens 2.13 to 3.0.0: :mod:`safelens_tl.hooked_zeros_mask`), and gives what
-the release's own ``get_attention_mask`` gives, for every tokenizer setting. Real models, the real
-``generate`` and the release's real ``get_attention_mask``."""
+every step (TransformerLens 2.13 to 3.0.0: :mod:`safelens_tl.fixes.hooked.zeros_mask`), and gives
+what the release's own ``get_attention_mask`` gives, for every tokenizer setting. Real models, the
+real ``generate`` and the release's real ``get_attention_mask``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import hooked_zeros_mask, targets
-from safelens_tl.hooked_zeros_mask import ZerosAnswer
+from safelens_tl import targets
+from safelens_tl.fixes.hooked import zeros_mask as hooked_zeros_mask
+from safelens_tl.fixes.hooked.zeros_mask import ZerosAnswer
 from safelens_tl.verify import checks
 from safelens_tl.verify.models import load_tokenizer
 from tests.conftest import RELEASE, generate_recording, requires_hooked_transformer, tiny_model

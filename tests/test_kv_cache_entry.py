@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from safelens_tl import kv_cache
+from safelens_tl.kv import entry as kv_cache
 from tests.conftest import LAYOUT, make_cfg
 
 # Every rule holds for small caches (torch.cat) and for buffers alike.

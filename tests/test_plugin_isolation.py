@@ -25,6 +25,8 @@ import safelens_tl
 from safelens_tl import _import_hooks, _startup
 from tests.conftest import RELEASE
 
+pytestmark = pytest.mark.newest_releases
+
 #: module name -> (source, what went wrong), one faulty distribution each.
 FAULTY_PLUGINS: dict[str, tuple[str, str]] = {
     "sl_import_fails": (
@@ -84,7 +86,8 @@ CHILD = textwrap.dedent(
         import transformer_lens  # the start-up hook, when installed, activates here
         import safelens_tl
         report = safelens_tl.activate()  # idempotent: the hook's report, or a first activation
-    from safelens_tl import kv_cache, targets
+    from safelens_tl import targets
+    from safelens_tl.kv import entry as kv_cache
     entry_class = targets.locate().entry_class
     cfg = type("Cfg", (), {"n_heads": 2, "d_head": 4, "dtype": "float32", "n_ctx": 8})()
     entry = entry_class.init_cache_entry(cfg, "cpu", 1)
@@ -147,8 +150,6 @@ def child_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 THREAD_IMPORT = """
 import threading
 from safelens_tl.hookspecs import hookimpl
-
-pytestmark = pytest.mark.newest_releases
 FINISHED = []
 
 def _worker():
@@ -241,8 +242,8 @@ PACKAGE = Path(safelens_tl.__file__).resolve().parent
 #: Modules that run inside every process that imports transformer_lens (the automatic path).
 AUTOMATIC_PATH = sorted(
     path
-    for path in PACKAGE.glob("*.py")
-    if path.name not in {"cli.py", "status_command.py", "__main__.py"}
+    for path in PACKAGE.rglob("*.py")
+    if path.name != "__main__.py" and path.relative_to(PACKAGE).parts[0] not in {"cli", "verify"}
 )
 #: What the start-up modules may import at all (module level or inside functions).
 STARTUP_IMPORTS = {

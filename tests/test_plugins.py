@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from safelens_tl import builtin_plugin, plugins
+from safelens_tl import plugins
+from safelens_tl.builtin_plugins import hooked as builtin_plugin
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
 from tests.conftest import LAYOUT

@@ -37,7 +37,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import safelens_tl
-from safelens_tl import kv_storage
+from safelens_tl.kv import storage as kv_storage
 from tests.conftest import make_cfg
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

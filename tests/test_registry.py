@@ -13,7 +13,7 @@ import pytest
 
 import safelens_tl
 from safelens_tl import activation, patching, registry, targets
-from safelens_tl.fixes_registry import FIXES
+from safelens_tl.fixes import FIXES, module_name
 from safelens_tl.registry import Fix
 from tests.conftest import HAS_BRIDGE, LAYOUT
 
@@ -45,7 +45,7 @@ def test_ids_are_unique_and_name_their_modules() -> None:
     ids = [fix.id for fix in FIXES]
     assert len(ids) == len(set(ids))
     for fix in FIXES:
-        module = importlib.import_module(f"safelens_tl.{fix.id}")
+        module = importlib.import_module(module_name(fix))
         assert module.FIX is fix
 
 
@@ -123,7 +123,7 @@ def test_a_release_fix_out_of_range_says_so(patched: safelens_tl.activation.Stat
 
 def test_the_docs_table_is_generated_from_the_registry() -> None:
     """``docs/fixes.md``'s table is the registry's; regenerate it with
-    ``python -m safelens_tl.fixes_registry --write docs/fixes.md``."""
+    ``python -m safelens_tl.fixes --write docs/fixes.md``."""
     current = DOCS.read_text("utf-8")
     assert registry.BEGIN in current and registry.END in current
     assert registry.render_document(current, FIXES) == current

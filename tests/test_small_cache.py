@@ -16,7 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from safelens_tl import kv_cache, kv_storage
+from safelens_tl.kv import entry as kv_cache
+from safelens_tl.kv import storage as kv_storage
 from tests.conftest import LAYOUT, make_cfg, requires_hooked_transformer
 
 BATCH, HEADS, D_HEAD = 2, 4, 8

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 import safelens_tl
-from safelens_tl import _startup, kv_storage, status_command, targets
+from safelens_tl import _startup, targets
+from safelens_tl.cli import status as status_command
+from safelens_tl.kv import storage as kv_storage
 from tests.conftest import HAS_BRIDGE
 from tests.test_autoactivate import Child, Results, started
 

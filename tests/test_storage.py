@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import generate_reserve, kv_storage
+from safelens_tl.fixes.hooked import generate_reserve
+from safelens_tl.kv import storage as kv_storage
 from tests.conftest import LAYOUT, make_cfg, requires_hooked_transformer
 
 BATCH, HEADS, D_HEAD = 2, 4, 8

@@ -42,7 +42,7 @@ CHILD = textwrap.dedent(
             import safelens_tl
             report = safelens_tl.activate()
         import torch
-        from safelens_tl import kv_cache
+        from safelens_tl.kv import entry as kv_cache
         from safelens_tl.targets import _import_object
         entry_class = _import_object(entry_path)
         stock = entry_class.__dict__["append"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import safelens_tl
+from safelens_tl.cli.verify import UsageError, parse_dtypes
 from safelens_tl.verify import checks, diagnostics, models, report, runner
 from safelens_tl.verify.cache_class_checks import cache_class_problems
-from safelens_tl.verify.command import UsageError, parse_dtypes
 from tests.conftest import RELEASE, requires_hooked_transformer
 
 

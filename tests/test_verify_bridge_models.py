@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl import bridge_cache
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from safelens_tl.verify import bridge, runner
 from tests.conftest import HAS_HOOKED_TRANSFORMER, architecture_folder, requires_bridge
 

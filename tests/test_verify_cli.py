@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from safelens_tl import bridge_cache
+from safelens_tl.fixes.bridge import cache as bridge_cache
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
 
 #: Whether stock TransformerBridge's cached generation is broken here (transformers >= 5.24).

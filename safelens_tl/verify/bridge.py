@@ -654,11 +654,11 @@ def generates_padded_batches(bridge: Any) -> bool:
 def cache_argument_diagnosis() -> str | None:
     """Why stock TransformerBridge's cache stays empty here, or ``None`` when it should not.
 
-    Reads what the installed transformers passes (see :mod:`safelens_tl.bridge_cache`).
+    Reads what the installed transformers passes (see :mod:`safelens_tl.fixes.bridge.cache`).
     """
     import transformers
 
-    from safelens_tl import bridge_cache
+    from safelens_tl.fixes.bridge import cache as bridge_cache
 
     if bridge_cache.attention_cache_argument() != bridge_cache.NEW_NAME:
         return None

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from safelens_tl import kv_cache, kv_storage
+from safelens_tl.kv import entry as kv_cache
+from safelens_tl.kv import storage as kv_storage
 
 #: Largest relative error (|cached - uncached|, relative to the largest uncached logit) allowed
 #: between cached and uncached logits of the same model in the same dtype. The two paths compute
@@ -167,7 +168,7 @@ def frozen_cache_control(model: Any, prompt_positions: int = 6) -> float:
 def expected_cache_heads(cfg: Any) -> int:
     """Heads a correct cache stores: ``n_key_value_heads`` (grouped-query) or else ``n_heads``.
 
-    Deliberately not taken from :mod:`safelens_tl.kv_cache`: the verifier must not trust the code
+    Deliberately not taken from :mod:`safelens_tl.kv.entry`: the verifier must not trust the code
     it checks.
     """
     heads = getattr(cfg, "n_key_value_heads", None)

@@ -30,7 +30,7 @@ def half_trap(model: Any) -> str | None:
     A few weights in another dtype are left alone: Apertus's activation keeps its two scalars in
     float32 and computes right.
     """
-    from safelens_tl.kv_cache import resolve_dtype
+    from safelens_tl.kv.entry import resolve_dtype
 
     weights = weights_dtype(model)
     try:

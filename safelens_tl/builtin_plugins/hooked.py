@@ -1,0 +1,32 @@
+"""The built-in HookedTransformer fixes, registered like any third-party plugin through the
+``safelens_tl`` group.
+
+Which fixes there are, and when each applies, is in the registry
+(:data:`safelens_tl.fixes.HOOKED_FIXES`, one :class:`~safelens_tl.registry.Fix` per fix
+module); this plugin only asks it for the patches of ``import transformer_lens``. A new
+HookedTransformer fix is not wired here: its module's ``FIX`` record joins ``HOOKED_FIXES``.
+"""
+
+from __future__ import annotations
+
+from safelens_tl import registry
+from safelens_tl.fixes import HOOKED_FIXES
+from safelens_tl.hookspecs import hookimpl
+from safelens_tl.patching import Patch
+from safelens_tl.targets import Layout
+
+SOURCE = "safelens_tl.builtin_plugins.hooked"
+
+
+@hookimpl
+def safelens_tl_patches(layout: Layout) -> list[Patch]:
+    """The patches of every HookedTransformer fix that applies to this release: the cache entry,
+    ``generate``'s reservation and step masks, ALiBi and mixture-of-experts layers."""
+    context = registry.Context(layout, registry.HOOKED_MODULE, SOURCE)
+    built = list(registry.build(HOOKED_FIXES, context))
+    failures = [item for item in built if not isinstance(item, Patch)]
+    if failures:
+        # The hook can return patches only: a fix that cannot be built fails the plugin, reported
+        # as any plugin's failure.
+        raise RuntimeError("; ".join(str(failure) for failure in failures))
+    return [item for item in built if isinstance(item, Patch)]
