@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
 
-pytestmark = pytest.mark.newest_releases
+pytestmark = pytest.mark.docs
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

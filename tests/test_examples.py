@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
 
-pytestmark = pytest.mark.newest_releases
+pytestmark = pytest.mark.docs
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 #: Each example, whether the installed release has what it needs, and the releases it names

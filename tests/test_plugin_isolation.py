@@ -25,7 +25,7 @@ import safelens_tl
 from safelens_tl import _import_hooks, _startup
 from tests.conftest import RELEASE
 
-pytestmark = pytest.mark.newest_releases
+pytestmark = pytest.mark.release_independent
 
 #: module name -> (source, what went wrong), one faulty distribution each.
 FAULTY_PLUGINS: dict[str, tuple[str, str]] = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.newest_releases
+pytestmark = pytest.mark.release_independent
 
 REPO = Path(__file__).resolve().parents[1]
 SUFFIXES = (".md", ".py", ".ini", ".toml", ".sh")

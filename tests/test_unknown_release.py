@@ -23,7 +23,7 @@ import torch
 from safelens_tl import targets
 from tests.conftest import LAYOUT
 
-pytestmark = pytest.mark.newest_releases
+pytestmark = pytest.mark.release_independent
 
 CHILD = textwrap.dedent(
     """

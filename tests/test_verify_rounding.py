@@ -21,7 +21,7 @@ import safelens_tl
 from safelens_tl.verify import bridge, models, runner
 from tests.conftest import requires_bridge
 
-pytestmark = [requires_bridge, pytest.mark.newest_releases]
+pytestmark = [requires_bridge, pytest.mark.release_independent]
 
 HALF = (torch.float16, torch.bfloat16)
 _deep: list[Path] = []
