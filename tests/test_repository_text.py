@@ -100,3 +100,32 @@ def test_no_tracked_text_speaks_of_how_it_was_written() -> None:
             for name in problems(line):
                 found.append(f"{path.relative_to(REPO)}:{number}: {name}: {line.strip()[:120]}")
     assert not found, "\n".join(found)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but ``-`` and ``_`` gone,
+    spaces as ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_link_into_a_document_names_one_of_its_headings() -> None:
+    """``[text](docs/performance.md#section)``: a renamed heading breaks such links silently."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    link = re.compile(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)")
+    checked, broken = 0, []
+    for name in tracked:
+        source = REPO / name
+        for target, anchor in link.findall(source.read_text(encoding="utf-8")):
+            document = (source.parent / target).resolve() if target else source
+            if not document.is_file():
+                broken.append(f"{name}: {target} does not exist")
+                continue
+            headings = re.findall(r"^#{1,6} (.+)$", document.read_text(encoding="utf-8"), re.M)
+            checked += 1
+            if anchor not in {_anchor(heading) for heading in headings}:
+                broken.append(f"{name}: #{anchor} is no heading of {target or name}")
+    assert checked >= 10, f"only {checked} links with an anchor found: is the pattern right?"
+    assert not broken, "\n".join(broken)

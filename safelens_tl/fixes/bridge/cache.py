@@ -341,7 +341,7 @@ FIX = Fix(
     symptom="cached TransformerBridge.generate and hf_generate silently wrong with transformers "
     ">= 5.24 (and for Falcon, BLOOM, GPTBigCode on TransformerLens 3.0): each step attends to "
     "itself alone",
-    affects=frozen({"transformer-lens": ">=3.0,<4.4"}),
+    affects=frozen({"transformer-lens": ">=3.0,<5"}),
     remedy="the attention bridges read the cache under whichever name transformers passes",
     applies=_applies,
     patches=_patches,
