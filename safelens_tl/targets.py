@@ -187,7 +187,7 @@ _ENCODER_DECODER = (
     "**kwargs and is right in stock too (benchmarks/bridge_hf_generate.py, T5Gemma)"
 )
 #: Bridge classes that read a KV cache argument and are deliberately left alone, with the reason.
-#: ``tests/test_bridge_cache_argument.py`` finds every reader in the installed release and fails
+#: ``tests/test_bridge_cache.py`` finds every reader in the installed release and fails
 #: on one that is neither patched nor listed here.
 UNPATCHED_CACHE_READERS: dict[str, str] = {
     "transformer_lens.model_bridge.supported_architectures.baichuan._BaichuanAttentionBridge": (

@@ -284,3 +284,18 @@ def corrupt_past(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
     monkeypatch.setattr(attention, "_update_kv_cache", update)
     yield switch
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[kv_storage.KVStorage]]:
+    """Every storage the patched entries allocate (a spy around our own function; TL is real)."""
+    made: list[kv_storage.KVStorage] = []
+    real = kv_storage.allocate
+
+    def spy(*args: Any, **kwargs: Any) -> kv_storage.KVStorage:
+        storage = real(*args, **kwargs)
+        made.append(storage)
+        return storage
+
+    monkeypatch.setattr(kv_storage, "allocate", spy)
+    yield made

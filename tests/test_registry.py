@@ -60,6 +60,8 @@ def test_the_record_is_complete(fix: Fix) -> None:
     for specifiers in fix.affects.values():
         SpecifierSet(specifiers)  # raises on a malformed range
     assert fix.detector in ("release", "feature")
+    # One test module per fix, named after it, so that a fix's tests are found by its id.
+    assert fix.test_module == f"tests/test_{fix.id}.py", fix.test_module
     assert (REPO / fix.test_module).is_file(), fix.test_module
     assert f'<a id="{fix.id.replace("_", "-")}"></a>`{fix.id}`' in DOCS.read_text("utf-8")
     assert fix.anchor.startswith("docs/fixes.md#")

@@ -73,7 +73,7 @@ def test_a_hybrid_checkpoint_folder_verifies(patched: safelens_tl.activation.Sta
 def test_a_state_space_checkpoint_folder_verifies_patched_and_fails_stock() -> None:
     """Mamba: no KV cache to inspect and no uncached generate to time, both reported as absent;
     in bfloat16 its own cached path is off by more than the attention tolerance, which raises the
-    bound. Stock gets a batch of prompts wrong (see ``test_bridge_state_space.py``)."""
+    bound. Stock gets a batch of prompts wrong (see ``test_bridge_state_mask.py``)."""
     folder = str(architecture_folder("MambaForCausalLM"))
     safelens_tl.activate()
     report = runner.verify_pretrained(folder, HALF)

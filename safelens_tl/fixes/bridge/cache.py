@@ -345,6 +345,6 @@ FIX = Fix(
     remedy="the attention bridges read the cache under whichever name transformers passes",
     applies=_applies,
     patches=_patches,
-    test_module="tests/test_bridge_cache_argument.py",
+    test_module="tests/test_bridge_cache.py",
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -87,6 +87,6 @@ FIX = Fix(
     "of each cached step",
     applies=lambda context: (True, "TransformerBridge calls the model with its own arguments"),
     patches=_patches,
-    test_module="tests/test_bridge_generate_flows.py",
+    test_module="tests/test_bridge_model_call.py",
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -131,6 +131,6 @@ FIX = Fix(
     remedy="state-space mixers get the mask of the positions they run",
     applies=_applies,
     patches=_patches,
-    test_module="tests/test_bridge_state_space.py",
+    test_module="tests/test_bridge_state_mask.py",
     when_imported=(targets.BRIDGE_MODULE,),
 )

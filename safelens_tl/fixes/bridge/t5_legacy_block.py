@@ -196,6 +196,6 @@ FIX = Fix(
     remedy="the block hands its sublayers the cache under transformers 5's name",
     applies=_applies,
     patches=_patches,
-    test_module="tests/test_bridge_t5_block.py",
+    test_module="tests/test_bridge_t5_legacy_block.py",
     when_imported=(targets.BRIDGE_MODULE,),
 )

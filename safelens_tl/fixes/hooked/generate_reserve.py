@@ -226,5 +226,5 @@ FIX = Fix(
     remedy="generate and generate_stream reserve each layer's cache at prompt + max_new_tokens",
     applies=_applies,
     patches=_patches,
-    test_module="tests/test_generate.py",
+    test_module="tests/test_generate_reserve.py",
 )

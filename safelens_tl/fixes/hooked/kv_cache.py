@@ -43,5 +43,5 @@ FIX = Fix(
     "(a ValueError naming the layer) and appends in place past 64 KiB per tensor",
     applies=lambda context: (True, "every release's KV-cache entry"),
     patches=_patches,
-    test_module="tests/test_kv_cache_entry.py",
+    test_module="tests/test_kv_cache.py",
 )

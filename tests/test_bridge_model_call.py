@@ -37,7 +37,7 @@ def model(request: pytest.FixtureRequest, patched: safelens_tl.activation.Status
         booted.generate(PROMPTS[:1], **_greedy(max_new_tokens=1))
     except ImportError as missing:
         # TransformerLens 3.0's Mamba adapter imports MambaCache, which transformers 5.24 removed:
-        # it cannot generate, stock or patched (asserted in test_bridge_state_space.py).
+        # it cannot generate, stock or patched (asserted in test_bridge_state_mask.py).
         if "MambaCache" not in str(missing):
             raise
         pytest.skip(f"this TransformerBridge cannot generate {request.param}: {missing}")
