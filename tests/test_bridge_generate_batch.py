@@ -215,7 +215,9 @@ def test_a_forward_a_hook_runs_during_a_batch_gets_no_mask_of_the_batch(
     model = _boot(architecture)
     probe = model.to_tokens(PROBE_TEXTS)[:, :length]
     assert probe.shape == (len(PROBED_PROMPTS), length)
-    alone = [model.generate(prompt, use_past_kv_cache=cached, **GREEDY) for prompt in PROBED_PROMPTS]
+    alone = [
+        model.generate(prompt, use_past_kv_cache=cached, **GREEDY) for prompt in PROBED_PROMPTS
+    ]
     with torch.no_grad():
         plain = model(probe, return_type="logits")
     result, logits = _generate_probing(model, PROBED_PROMPTS, probe, cached)

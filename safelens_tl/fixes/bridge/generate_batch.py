@@ -12,8 +12,10 @@ Where ``generate``'s code never names an attention mask, a call with two or more
 whose token counts differ runs as 3.8 runs it, inside the release's own loop: the prompts are
 tokenized one by one (each as it is tokenized alone) and padded on the left into **one batch, in
 the order given**, and each of the loop's calls into the model gets the mask of that padding
-(ones after it) and the positions it implies. Hooks see the batch the user passed: its size, its
-row order, one forward per step. Texts come back as the texts of each prompt; tokens and logits
+(ones after it) and the positions it implies. A forward that a hook runs from inside one of those
+calls (the model on the hook's own tokens) is not the loop's and gets none of them: it is what a
+plain forward of its tokens gives. Hooks see the batch the user passed: its size, its row order,
+one forward per step. Texts come back as the texts of each prompt; tokens and logits
 as 3.8 returns them (left-padded rows).
 
 Where that cannot be done (an encoder-decoder or state-space model, media, or a model whose
@@ -85,7 +87,9 @@ _generating: ContextVar[PaddedBatch | None] = ContextVar(
 )
 
 
-def mask_the_step(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Token[PaddedBatch | None] | None:
+def mask_the_step(
+    model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Token[PaddedBatch | None] | None:
     """Give a call of ``TransformerBridge.forward`` (``kwargs``, changed in place) the mask and
     positions of its batch's padding, when a marked ``generate`` of ``model`` makes it on that
     batch and passes no mask of its own; every other call is left as it is.
