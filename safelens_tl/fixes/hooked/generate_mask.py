@@ -119,14 +119,6 @@ def loses_positions(model: Any) -> bool:
     return getattr(getattr(model, "tokenizer", None), "pad_token_id", None) == 0
 
 
-def _pad_runs(tokens: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's leading and trailing run of ``pad`` tokens: ``[batch]`` lengths each."""
-    tokens_seen = tokens.ne(pad).long()
-    leading = (torch.cumsum(tokens_seen, dim=-1) == 0).sum(-1)
-    trailing = (torch.cumsum(tokens_seen.flip(-1), dim=-1) == 0).sum(-1)
-    return leading, trailing
-
-
 def padded_side(tokens: torch.Tensor, pad: int) -> str | None:
     """The side the rows of ``tokens`` (``[batch, n]``) are padded on, as the tensor itself
     shows it: ``"left"`` where the rows' leading runs of ``pad`` differ in length and their
@@ -137,9 +129,11 @@ def padded_side(tokens: torch.Tensor, pad: int) -> str | None:
     ends with it, or a row is nothing but pads) or neither does (nothing padded, or every row
     padded alike, BOS = pad at position 0 included).
     """
-    leading, trailing = _pad_runs(tokens, pad)
-    leading_differ = bool(leading.max() > leading.min())
-    trailing_differ = bool(trailing.max() > trailing.min())
+    is_pad = tokens.eq(pad)
+    # Each row's leading run, then each row's trailing run: the length of the first run of ones.
+    runs = torch.cat((is_pad, is_pad.flip(-1))).to(torch.uint8).cumprod(-1).sum(-1)
+    low, high = runs.view(2, -1).aminmax(dim=-1)
+    leading_differ, trailing_differ = (high > low).tolist()
     if leading_differ == trailing_differ:
         return None
     return "left" if leading_differ else "right"
