@@ -70,7 +70,9 @@ class Status:
         ]
         lines += [f"  waits for import: {module}" for module in self.pending]
         if self.active and self.fixes:
-            lines.append("what it changes here (installed, or installed at the import it waits for):")
+            lines.append(
+                "what it changes here (installed, or installed at the import it waits for):"
+            )
             lines += [f"  {line}" for line in changes_in_words(self.fixes)]
         if self.fixes:
             lines.append("fixes:")
@@ -133,8 +135,9 @@ def _plan(
 ) -> tuple[Status, list[patching.Patch | patching.DeferredPatches]]:
     """Locate the cache classes and collect every plugin's patches, without installing any.
 
-    The fixes named by ``environment`` (the value of
-    :data:`~safelens_tl.registry.DISABLE_VAR`) and by ``exclude`` are left out; a name in ``exclude`` that names nothing raises ``ValueError`` before anything changes.
+    The fixes named by ``environment`` (the value of :data:`~safelens_tl.registry.DISABLE_VAR`)
+    and by ``exclude`` are left out; a name in ``exclude`` that names nothing raises
+    ``ValueError`` before anything changes.
     """
     from safelens_tl import hookspecs, plugins, registry, targets
 
@@ -161,7 +164,7 @@ def _plan(
     patches, patch_failures = plugins.collect_patches(manager, layout)
     failures.extend(patch_failures)
     names = tuple(name for name, _ in manager.list_name_plugin())
-    notes = (layout.note,) if layout.note is not None else ()
+    notes: tuple[str, ...] = (layout.note,) if layout.note is not None else ()
     if switches.unknown:
         notes += (
             f"{registry.DISABLE_VAR}: {', '.join(map(repr, switches.unknown))} is neither a fix "

@@ -474,9 +474,7 @@ def _composed_patch(
         return _composed_patch(owner, name, method, kept) if kept else None
 
     replacement = composed(method, *(wrap.wrapper for _, wrap in contributions))
-    return Patch(
-        owner, name, replacement, fixes=ids, narrowed=narrowed if len(ids) > 1 else None
-    )
+    return Patch(owner, name, replacement, fixes=ids, narrowed=narrowed if len(ids) > 1 else None)
 
 
 def composed(original: Callable[..., Any], *wrappers: Wrapper) -> Callable[..., Any]:

@@ -77,7 +77,7 @@ def _import_transformer_lens() -> tuple[bool, str | None]:
 def collect() -> dict[str, Any]:
     """Import ``transformer_lens`` (which fires the hook when enabled) and build the report."""
     import safelens_tl
-    from safelens_tl import registry, targets
+    from safelens_tl import targets
 
     importable, error = _import_transformer_lens()
     files = hook_files()
