@@ -320,7 +320,7 @@ def activate(exclude: str | Iterable[str] | None = None, environment: str = "") 
             # The start-up hook, fired by the import of transformer_lens that the activation in
             # progress makes (same thread, re-entrant lock): that activation installs.
             return _state.report
-        requested = None if exclude is None else _requested(exclude)
+        requested = None if exclude is None else _requested(exclude, _state.active)
         if _state.active:
             if requested is None or requested == _state.excluded:
                 return _state.report
@@ -347,13 +347,15 @@ def activate(exclude: str | Iterable[str] | None = None, environment: str = "") 
         return _publish(_state.report.failures)
 
 
-def _requested(exclude: str | Iterable[str]) -> tuple[str, ...]:
-    """The names given to ``activate(exclude=...)``, checked against the fixes when they are
-    known already (an activation in force): a wrong name raises before anything changes."""
+def _requested(exclude: str | Iterable[str], active: bool) -> tuple[str, ...]:
+    """The names given to ``activate(exclude=...)``; while an activation is in force they are
+    checked against its fixes here, so that a wrong name raises before anything changes (a
+    first activation checks them once the plugins have handed over the fixes, before installing
+    anything)."""
     from safelens_tl import registry
 
     requested = registry.names(exclude)
-    if registry.published():
+    if active:
         registry.switches(registry.published(), "", requested)  # raises on an unknown name
     return requested
 
