@@ -227,6 +227,8 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_generate_batch.py",
+    changes=("generate", "forward"),
+    requires=("bridge_model_call",),
     when_imported=(targets.BRIDGE_MODULE,),
     fixed_in="3.8.0",
 )

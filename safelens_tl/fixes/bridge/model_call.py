@@ -93,5 +93,6 @@ FIX = Fix(
     applies=lambda context: (True, "TransformerBridge calls the model with its own arguments"),
     patches=_patches,
     test_module="tests/test_bridge_model_call.py",
+    changes=("forward", "cache"),
     when_imported=(targets.BRIDGE_MODULE,),
 )

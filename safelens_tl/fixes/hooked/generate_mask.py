@@ -363,6 +363,7 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_generate_mask.py",
+    changes=("generate", "forward"),
     detector="release",
     upstream="https://github.com/TransformerLensOrg/TransformerLens/issues/1005",
     fixed_in="3.1.0",
