@@ -6,7 +6,7 @@ The command runs in this process (``safelens_tl.cli.main``), with the mutant app
 ``monkeypatch``; the built-in models are saved once per process and shared. TransformerBridge's
 mutants run where TransformerLens has no HookedTransformer (4.x, ``tl430``), HookedTransformer's
 where it has one (``tl390``); each run checks only the rows of its API. The score
-(caught / injected) is printed at the end of the session.
+(caught / injected) is printed at the end of the test run.
 """
 
 from __future__ import annotations

@@ -582,7 +582,8 @@ def run_batch(
         hf_generate_rel_err=hf_rel_err,
         hf_generate_error=hf_error,
         order_rel_err=order,
-        cached_positions=int(sequences.shape[1]) - 1,
+        # The last step fed the last token but one, after every position before it.
+        cached_positions=int(sequences.shape[1]) - 2,
         top1_agreement=oracle.agreement(step_logits, own),
         replay=("causal", sequences, mask, positions, own, new_tokens),
     )

@@ -171,6 +171,7 @@ def check_hooked(model: Any, name: str, depth: Depth | None = None) -> CheckResu
         bound = oracle.allowance(bound.dtype, order)
         result.order_rel_err = order
         result.tolerance = bound.value
+        result.allowance = bound.basis()
         result.max_rel_err = oracle.worst_error(run.max_rel_err for run in forced)
         result.cached_positions = min(run.cached_positions for run in forced)
         result.greedy_agreement = min(run.top1_agreement for run in forced)
