@@ -129,5 +129,5 @@ def test_the_report_shows_the_order_and_the_cached_positions() -> None:
     )
     text = console.export_text()
     assert "order**" in text and "2.1e-03" in text and "2.2e-03 <= 4.2e-03" in text
-    assert "cached pos" in text and " 73 " in text
+    assert " cached " in text and " 73 " in text
     assert "** how far the model's uncached forward moves" in text

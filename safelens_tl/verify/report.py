@@ -192,9 +192,10 @@ def render(report: Report, console: Console) -> None:
     console.print(table(report))
     if any(check.speedup is not None for check in report.checks):
         console.print(
-            "* indicative only: one cached and one uncached generate of a few tokens on tiny "
-            "models, where per-call overhead dominates; a value under 1x does not mean the "
-            "cache is slow. For speed, see benchmarks/ and docs/performance.md.",
+            "* indicative only: time per token with the cache and without it (uncached "
+            "generate, or forwards over prefixes) on tiny models, where per-call overhead "
+            "dominates; a value under 1x does not mean the cache is slow. For speed, see "
+            "benchmarks/ and docs/performance.md.",
             highlight=False,
         )
     if any(check.order_rel_err is not None for check in report.checks):
