@@ -1,4 +1,4 @@
-"""The smallest bias of cached keys or values that ``safelens-tl verify`` fails, per model and dtype.
+"""The smallest bias of cached keys or values that ``verify`` fails, per model and dtype.
 
 Each model is first checked as the verifier checks it (its allowance measured on uncached
 forwards); then its past keys, or values, are scaled by 1 + x in the cache the model reads (from

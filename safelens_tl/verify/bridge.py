@@ -42,11 +42,6 @@ from safelens_tl.verify import checks, models, oracle
 
 #: Tokens :func:`run_batch` generates unless told otherwise (the fixes' tests and benchmarks).
 NEW_TOKENS = 8
-#: Tokens the verifier's cached ``generate`` adds to each batch: every step is compared, so the
-#: last one attends over the prompt and 63 generated positions, at least 64 cached positions.
-VERIFY_NEW_TOKENS = 64
-#: ``--thorough``: about twice as many (the built-in GPT-2's context is 256 positions).
-THOROUGH_NEW_TOKENS = 160
 #: Least bound against the independent Hugging Face forward (relative to its largest logit); see
 #: :data:`safelens_tl.verify.oracle.REFERENCE_FLOORS`.
 REFERENCE_TOLERANCES: dict[torch.dtype, float] = oracle.REFERENCE_FLOORS

@@ -35,7 +35,8 @@ SPLIT_DEVICE = "cuda (2 GPUs)"
 class Depth:
     """How far each row reaches: the default run, or ``--thorough``."""
 
-    #: Tokens TransformerBridge's cached ``generate`` adds to each batch.
+    #: Tokens TransformerBridge's cached ``generate`` adds to each batch. Every step is compared;
+    #: with 64 the last one reads the prompt and 62 generated positions from the cache.
     bridge_tokens: int
     #: Prefix forwards that measure ``order`` (``None``: one per step).
     order_steps: int | None
@@ -47,7 +48,8 @@ class Depth:
 
 #: At least 64 cached positions per row; ``order`` from 8 prefixes per batch.
 DEFAULT_DEPTH = Depth(64, oracle.ORDER_STEPS, checks.LONG_CONTINUATION, GENERATE_TOKENS)
-#: ``--thorough``: longer runs (the built-in HookedTransformer models' context is 128 positions),
+#: ``--thorough``: longer runs (the built-in HookedTransformer models' context is 128 positions,
+#: the built-in GPT-2 checkpoint's 256),
 #: ``order`` at every step, and HookedTransformer's ``generate`` long enough for its buffer to
 #: grow.
 THOROUGH_DEPTH = Depth(160, None, checks.THOROUGH_CONTINUATION, 80)
@@ -580,6 +582,23 @@ def builtin_tasks(
     return tasks
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's operations on one CPU thread within this block, then restore the count.
+
+    The built-in models are too small to gain from a second thread: their matrices hold a few
+    thousand numbers, and each operation's hand-off between threads costs more than it saves.
+    On a 2-core CPU shared with other work, ``safelens-tl verify`` took 47-72 s with torch's two
+    threads and 14 s with one (docs/verify.md).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def verify_builtin(
     dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
     devices: Sequence[str] | None = None,
@@ -591,7 +610,8 @@ def verify_builtin(
     start = time.perf_counter()
     devices = list(devices) if devices is not None else default_devices()
     report = _new_report()
-    report.checks = run_tasks(builtin_tasks(dtypes, devices, depth_for(thorough)), listener)
+    with one_thread():
+        report.checks = run_tasks(builtin_tasks(dtypes, devices, depth_for(thorough)), listener)
     if _has_hooked_transformer():
         report.control = _control(dtypes)
     else:
