@@ -153,3 +153,18 @@ def test_the_teacher_forced_run_takes_every_storage_path(
         for entry in run.cache.entries:
             assert entry.past_keys.shape[1] == run.cached_positions + 1
             assert getattr(entry, "_safelens_storage", None) is not None
+
+
+def test_order_leaves_out_a_forward_that_computes_something_else() -> None:
+    """Another order of the same sums moves the logits by rounding; a forward whose top tokens
+    differ from the whole one's on more than a tenth of its positions is not that, and must not
+    widen the allowance."""
+    whole = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0], [0.0, 4.0]])
+    rounded = whole + 0.01
+    other = whole.flip(-1)  # every top token changed
+    expected = pytest.approx(0.0025, rel=1e-4)
+    assert oracle.order_error([rounded], [whole], 4.0) == expected
+    assert oracle.order_error([rounded, other], [whole, whole], 4.0) == expected
+    assert oracle.order_error([], [], 4.0) == 0.0
+    # NaN logits never widen it either (left out, or NaN, which leaves the floor).
+    assert not oracle.order_error([rounded * math.nan], [whole], 4.0) > 0

@@ -228,14 +228,21 @@ def order_steps(total: int, wanted: int | None) -> list[int]:
 
 
 def order_error(
-    prefix_logits: Sequence[torch.Tensor], whole: Sequence[torch.Tensor], scale: float
+    other: Sequence[torch.Tensor], whole: Sequence[torch.Tensor], scale: float
 ) -> float:
-    """``order``: the uncached forwards over prefixes (each one's last position, ``[batch,
-    vocab]``) against the uncached forward over the whole sequence at the same positions,
-    relative to ``scale`` (the largest logit of the compared steps)."""
+    """``order``: the logits of uncached forwards in other orders (``other``; the last position of
+    a forward over a prefix, or the positions of a forward behind more padding) against the
+    uncached forward over the whole sequence at the same positions (``whole``), relative to
+    ``scale`` (the largest logit of the compared steps).
+
+    A forward that picks another top token than the whole one's on more than
+    ``1 - MIN_AGREEMENT`` of its positions computes something else (a model whose positions do
+    not follow the mask, say) and is left out: it could only widen the allowance. NaN logits are
+    left out the same way, or give NaN, which leaves the floor (:attr:`Allowance.value`)."""
     errors = [
         relative_error(mine, theirs, scale=scale)
-        for mine, theirs in zip(prefix_logits, whole, strict=True)
+        for mine, theirs in zip(other, whole, strict=True)
+        if mine.numel() == 0 or agreement(mine, theirs) >= MIN_AGREEMENT
     ]
     return worst_error(errors)
 
