@@ -245,10 +245,21 @@ def _skip_reason(report: Any) -> str:
     return str(reason).removeprefix("Skipped: ")
 
 
+def _mutation_score(terminalreporter: Any) -> None:
+    """``safelens-tl verify``'s mutation score (tests/test_verify_mutants.py), where it ran."""
+    mutants = sys.modules.get("tests.mutants")
+    for api, results in getattr(mutants, "RESULTS", {}).items():
+        caught = sum(results.values())
+        terminalreporter.write_sep("-", f"verify mutation score, {api}: {caught}/{len(results)}")
+        for mutant, found in results.items():
+            terminalreporter.write_line(f"  {'caught' if found else 'MISSED'}  {mutant}")
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """Skips summarised by reason, most frequent first (one line each, not one per test);
-    under tox, one line per environment with its counts: ``[tl300] 352 passed, 6 skipped, 0
-    failed``."""
+    """The verifier's mutation score where its mutants ran; skips summarised by reason, most
+    frequent first (one line each, not one per test); under tox, one line per environment with
+    its counts: ``[tl300] 352 passed, 6 skipped, 0 failed``."""
+    _mutation_score(terminalreporter)
     reasons = Counter(_skip_reason(report) for report in terminalreporter.stats.get("skipped", []))
     if reasons:
         terminalreporter.write_sep("-", f"{sum(reasons.values())} skipped, by reason")

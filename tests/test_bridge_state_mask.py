@@ -71,9 +71,6 @@ def test_a_batch_of_prompts_generates_right_through_a_state_space_model(
         assert run.max_rel_err <= checks.TOLERANCES[torch.float32], (architecture, run.batch)
         assert torch.equal(run.cached_tokens, run.uncached_tokens), (architecture, run.batch)
         assert run.state_only and run.cache_dtype is None
-        # Hugging Face's own cached generate of the same prompts, for the verifier's bound.
-        assert run.hugging_face_cached_rel_err is not None
-        assert run.hugging_face_cached_rel_err <= checks.TOLERANCES[torch.float32]
         assert run.seconds_uncached is None  # TransformerLens has no uncached generate here
 
 

@@ -133,3 +133,19 @@ def test_dtype_lists_comma_separated_or_repeated() -> None:
         parse_dtypes(["float16,int8"])
     with pytest.raises(UsageError, match="no dtype given"):
         parse_dtypes([" , "])
+
+
+def test_the_built_in_models_run_on_one_thread_and_the_count_is_restored() -> None:
+    """Too small to gain from a second thread, they lost time to it on a shared CPU; the caller's
+    setting comes back afterwards, even after an error."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with runner.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), runner.one_thread():
+            raise RuntimeError("a check failed")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

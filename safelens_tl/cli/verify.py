@@ -70,6 +70,12 @@ def register(subcommands: Any) -> None:
         action="store_true",
         help="deactivate safelens-tl first: shows what stock TransformerLens does",
     )
+    parser.add_argument(
+        "--thorough",
+        action="store_true",
+        help="longer runs (about 160 generated tokens, 120 positions on HookedTransformer) and "
+        "the rounding allowance measured at every step, not 8 of them: slower",
+    )
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report as JSON")
     parser.add_argument(
         "--quiet", action="store_true", help="no table and no progress: only the summary line"
@@ -242,9 +248,13 @@ def run(arguments: argparse.Namespace) -> int:
         listener = _ProgressListener(progress, task, announce=not arguments.quiet)
         try:
             if arguments.model:
-                report = runner.verify_pretrained(arguments.model, dtypes, devices, listener)
+                report = runner.verify_pretrained(
+                    arguments.model, dtypes, devices, listener, thorough=arguments.thorough
+                )
             else:
-                report = runner.verify_builtin(dtypes, devices, listener)
+                report = runner.verify_builtin(
+                    dtypes, devices, listener, thorough=arguments.thorough
+                )
         except runner.ModelLoadError as error:
             progress.stop()
             return _usage_error(str(error))

@@ -1,4 +1,4 @@
-"""Cached generation through ``TransformerBridge``, checked against Hugging Face's own forward.
+"""Cached generation through ``TransformerBridge``: the subject of the verifier's bridge rows.
 
 (Encoder-decoder checkpoints are checked through ``hf_generate`` instead: :func:`run_seq2seq_batch`,
 at the end of this module.)
@@ -7,55 +7,44 @@ Two tiny Hugging Face models with random weights, a Llama with grouped-query att
 positions and a GPT-2, are saved once per process with the in-process tokenizer to a temporary
 folder and booted from there with ``TransformerBridge.boot_transformers`` (nothing is downloaded).
 
-The logits the bridge's cached ``generate`` produced at each step are replayed against two
-uncached forwards over the sequence it generated (attention mask of the left-padded prompts,
-positions derived from it):
+:func:`run_batch` measures, for one batch of prompts, what :mod:`safelens_tl.verify.oracle` judges:
+the logits the bridge's cached ``generate`` produced at each step, replayed against
 
-- the bridge's own, in the same dtype: the same sums in another order, so a correct cache differs
-  by rounding only, and the tight :data:`~safelens_tl.verify.checks.TOLERANCES` apply (a cache
-  1% off fails them);
+- the bridge's own uncached forward over the generated sequence in the same dtype (attention mask
+  of the left-padded prompts, positions derived from it, ``use_cache=False``): the yardstick;
+- the bridge's uncached forwards over prefixes of that sequence, against the same forward over the
+  whole of it: ``order``, what the allowance is made of;
 - an independent reference, the same checkpoint loaded with ``AutoModelForCausalLM`` (or
   ``AutoModelForImageTextToText`` for a vision-language checkpoint, ``AutoModelForSeq2SeqLM`` for
   an audio-text one; the class the checkpoint names where transformers has it: :func:`model_class`;
-  no TransformerLens at all):
-  other kernels, so in half precision it differs by more, and
-  :data:`REFERENCE_TOLERANCES` apply. It catches what the bridge itself gets wrong.
+  no TransformerLens at all), uncached: it catches what the bridge itself gets wrong;
+
+and ``hf_generate`` (Hugging Face's generate loop over the bridge's modules) against the same
+yardstick. :func:`add_float32_rounding` then converts the bridge to float32 for ``rounding``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import math
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from safelens_tl.verify import checks, models
+from safelens_tl.verify import checks, models, oracle
 
+#: Tokens :func:`run_batch` generates unless told otherwise (the fixes' tests and benchmarks).
 NEW_TOKENS = 8
-#: Largest error against the independent Hugging Face forward (relative to its largest logit).
-#: Hugging Face's attention (SDPA) and the bridge's reconstruction round differently; on the
-#: built-in models a correct cache shows up to 2e-6 (float32), 4e-3 (float16), 2.1e-2 (bfloat16).
-REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float16: 1e-2,
-    torch.bfloat16: 5e-2,
-}
-#: How far past the dtype's tolerance a model's own rounding may take the bridge's cached path:
-#: up to this many times the error of Hugging Face's own cached generate against its own
-#: uncached forward (:func:`hugging_face_cached_error`). Models with a recurrent state (Mamba,
-#: the linear attention of hybrids) round it to the dtype at every cached step and get this
-#: bound outright; attention-only models only once the same checkpoint in float32 shows the
-#: cached path exact (:func:`float32_control`): deep models round further in half precision
-#: (a 30-layer Llama in bfloat16: 2e-2) than a cache 1% off moves a tiny one.
-OWN_ROUNDING_FACTOR = 2.0
+#: Least bound against the independent Hugging Face forward (relative to its largest logit); see
+#: :data:`safelens_tl.verify.oracle.REFERENCE_FLOORS`.
+REFERENCE_TOLERANCES: dict[torch.dtype, float] = oracle.REFERENCE_FLOORS
 #: How a bridge reaches its dtype: booted in it, or booted in float32 and then converted.
 CONVERSIONS = ("boot", "half", "to")
 #: Prompts per batch size: one prompt, and two of different lengths (left-padded).
@@ -270,18 +259,22 @@ def reference_from(folder: str | Path, dtype: torch.dtype, device: str = "cpu") 
 
 @dataclass(frozen=True)
 class BridgeRun:
-    """What one cached ``generate`` of one batch measured against the reference."""
+    """What one cached ``generate`` of one batch measured (:mod:`~safelens_tl.verify.oracle`)."""
 
     architecture: str
     batch: int
-    #: Against the bridge's own uncached forward in the same dtype.
+    #: Against the bridge's own uncached forward in the same dtype: the yardstick.
     max_rel_err: float
     #: Against the independent Hugging Face forward.
     reference_rel_err: float
     cached_tokens: torch.Tensor
+    #: Greedy without the cache: ``generate``'s own where it ran, else the uncached forward's top
+    #: token at each step of the cached sequence (what greedy generation without a cache picks
+    #: while it agrees).
     uncached_tokens: torch.Tensor
     seconds_cached: float
-    #: ``None`` where TransformerLens cannot generate without a cache (state-space models).
+    #: ``None`` where nothing uncached was timed (state-space models: TransformerLens cannot
+    #: generate them without a cache).
     seconds_uncached: float | None
     #: Of the first attention layer's keys after a cached forward over the prompt; ``None`` when
     #: no layer holds keys.
@@ -295,9 +288,6 @@ class BridgeRun:
     recurrent_state: bool = False
     #: The cache holds recurrent state only (no attention layer): nothing for the KV checks.
     state_only: bool = False
-    #: Hugging Face's own cached generate against its own uncached forward, the same prompts
-    #: (:func:`hugging_face_cached_error`): the rounding of the model's cached path itself.
-    hugging_face_cached_rel_err: float | None = None
     #: ``hf_generate`` (Hugging Face's generate loop over the bridge's modules, with the cache)
     #: against the bridge's own uncached forward (:func:`hf_generate_against_uncached`);
     #: ``None`` where this TransformerLens has no ``hf_generate``.
@@ -307,6 +297,21 @@ class BridgeRun:
     #: Whether ``reference_rel_err`` is held to a bound (not for encoder-decoder models in half
     #: precision: :func:`run_seq2seq_batch`).
     reference_held: bool = True
+    #: The uncached forwards over prefixes against over the whole sequence
+    #: (:func:`safelens_tl.verify.oracle.order_error`); ``None`` where not measured.
+    order_rel_err: float | None = None
+    #: The uncached forward in the dtype against float32 on the same tokens
+    #: (:func:`add_float32_rounding`); ``None`` until measured.
+    rounding_rel_err: float | None = None
+    #: Cached positions the last compared step attended over (prompt, padding included, and the
+    #: tokens generated before it); every step up to it is compared.
+    cached_positions: int = 0
+    #: Share of cached steps whose logits pick the uncached forward's top token on the same tokens.
+    top1_agreement: float = 1.0
+    #: What the float32 forward needs: the generated sequences, their mask and positions (or, for
+    #: an encoder-decoder checkpoint, the encoder's input), the dtype's logits of the compared
+    #: steps, and which steps they are.
+    replay: Any = None
 
     @property
     def agreement(self) -> float:
@@ -436,32 +441,86 @@ def mask_and_positions(bridge: Any, sequences: torch.Tensor) -> tuple[torch.Tens
     return mask, _positions(mask)
 
 
+def uncached_forward(model: Any, *args: Any, **inputs: Any) -> torch.Tensor:
+    """The logits of one forward of ``model`` (a bridge or a Hugging Face model) without any cache.
+
+    ``use_cache=False``: a Hugging Face model's forward otherwise builds a ``DynamicCache`` and
+    writes every layer's keys into it even when nothing is cached yet, through the very code a
+    cached step uses, which would then move the yardstick along with the error it measures. A
+    model whose forward takes no ``use_cache`` is called without it.
+    """
+    call = (
+        functools.partial(model, return_type="logits")
+        if hasattr(model, "original_model")
+        else model
+    )
+    with torch.inference_mode():
+        try:
+            output = call(*args, **inputs, use_cache=False)
+        except TypeError as error:
+            if "use_cache" not in str(error):
+                raise
+            output = call(*args, **inputs)
+    logits: torch.Tensor = output.logits if hasattr(output, "logits") else output
+    return logits
+
+
+def _bridge_forward(
+    bridge: Any, sequences: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The bridge's uncached forward over left-padded ``sequences`` (:func:`uncached_forward`)."""
+    return uncached_forward(bridge, sequences, attention_mask=mask, position_ids=positions)
+
+
+def _hf_inputs(
+    sequences: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, device: Any
+) -> dict[str, Any]:
+    return {
+        "input_ids": sequences.to(device),
+        "attention_mask": mask.to(device),
+        "position_ids": positions.to(device),
+    }
+
+
 def run_batch(
-    bridge: Any, reference: Any, prompts: Sequence[str], new_tokens: int = NEW_TOKENS
+    bridge: Any,
+    reference: Any,
+    prompts: Sequence[str],
+    new_tokens: int = NEW_TOKENS,
+    *,
+    uncached_generate: bool = True,
+    order_steps: int | None = 0,
+    hf_generate: bool = True,
 ) -> BridgeRun:
-    """Generate greedily from ``prompts`` (left-padded) with and without the cache; replay.
+    """Generate greedily from ``prompts`` (left-padded) with the cache, and replay.
 
     The logits of every cached step are compared with the bridge's own uncached forward
     (``max_rel_err``) and with ``reference`` (``reference_rel_err``), each run once over the
-    generated sequence; errors are relative to the largest logit compared against.
+    generated sequence; errors are relative to the largest logit compared against. ``order``
+    (:func:`safelens_tl.verify.oracle.order_error`) takes the uncached forwards over the
+    prefixes ending at ``order_steps`` of the steps (spread, the last included; ``None``: every
+    step; 0: not measured), whose mean time is the uncached time per token when
+    ``uncached_generate`` is off.
+    ``uncached_generate``: also generate without the cache (``uncached_tokens``, and its time);
+    else the uncached forward's top token at each step stands for it. ``hf_generate``: also run
+    :func:`hf_generate_against_uncached` on the same prompts.
     """
     common = checks.greedy_arguments(new_tokens)
     start = time.perf_counter()
     output = bridge.generate(list(prompts), use_past_kv_cache=True, output_logits=True, **common)
     middle = time.perf_counter()
-    uncached = bridge.generate(list(prompts), use_past_kv_cache=False, **common)
+    uncached = None
+    if uncached_generate:
+        uncached = bridge.generate(list(prompts), use_past_kv_cache=False, **common)
     end = time.perf_counter()
     sequences = output.sequences
     step_logits = _step_logits(output)
     mask, positions = mask_and_positions(bridge, sequences)
     device = next(reference.parameters()).device
+    steps = slice(-new_tokens - 1, -1)
+    own = _bridge_forward(bridge, sequences, mask, positions)[:, steps]
+    full = uncached_forward(reference, **_hf_inputs(sequences, mask, positions, device))[:, steps]
     with torch.inference_mode():
-        full = reference(
-            input_ids=sequences.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-        ).logits
-        own = bridge(sequences, attention_mask=mask, position_ids=positions, return_type="logits")
         # The Hugging Face model inside the bridge (its attention modules are the bridge's), so
         # that the cache it fills over the prompt can be inspected on every release.
         prompt_output = bridge.original_model(
@@ -474,31 +533,37 @@ def run_batch(
     keys = first_cache_layer(cache)
     recurrent = holds_recurrent_state(cache)
     prompt_ids, prompt_mask = sequences[:, :-new_tokens], mask[:, :-new_tokens]
-    own_rounding = hugging_face_cached_error(
-        reference, prompt_ids.to(device), prompt_mask.to(device), new_tokens
-    )
     own_heads = hugging_face_cache_heads(reference, prompt_ids.to(device), prompt_mask.to(device))
+    scale = float(own.float().abs().max())
+    order, seconds_per_step = prefix_order(
+        bridge, sequences, mask, positions, own, new_tokens, order_steps, scale
+    )
     uncached_tokens: torch.Tensor
     seconds_uncached: float | None = end - middle
-    if isinstance(uncached, torch.Tensor) and not getattr(bridge.cfg, "is_stateful", False):
+    stateful = getattr(bridge.cfg, "is_stateful", False)
+    if isinstance(uncached, torch.Tensor) and not stateful:
         uncached_tokens = uncached[:, -new_tokens:]
     else:
         # TransformerLens hands a state-space model's use_past_kv_cache=False to Hugging Face's
         # generate, which caches anyway (and, stock, returns text). Greedy generation without a
         # cache picks the uncached forward's top token at each step, so over the cached sequence
         # those choices agree with the cached tokens exactly when an uncached generation would.
-        uncached_tokens = own[:, -new_tokens - 1 : -1].argmax(dim=-1)
+        uncached_tokens = own.argmax(dim=-1)
         seconds_uncached = None
+        if not uncached_generate and not stateful and seconds_per_step is not None:
+            seconds_uncached = seconds_per_step * new_tokens
     hf_error: str | None = None
-    try:
-        hf_rel_err = hf_generate_against_uncached(bridge, prompts, new_tokens)
-    except Exception as error:  # reported in the check's row, as any failing check
-        hf_rel_err, hf_error = None, f"{type(error).__name__}: {error}"
+    hf_rel_err: float | None = None
+    if hf_generate:
+        try:
+            hf_rel_err = hf_generate_against_uncached(bridge, prompts, new_tokens)
+        except Exception as error:  # reported in the check's row, as any failing check
+            hf_error = f"{type(error).__name__}: {error}"
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
-        max_rel_err=relative_error(step_logits, own[:, -new_tokens - 1 : -1]),
-        reference_rel_err=relative_error(step_logits, full[:, -new_tokens - 1 : -1]),
+        max_rel_err=oracle.relative_error(step_logits, own),
+        reference_rel_err=oracle.relative_error(step_logits, full),
         cached_tokens=sequences[:, -new_tokens:].cpu(),
         uncached_tokens=uncached_tokens.cpu(),
         seconds_cached=middle - start,
@@ -509,9 +574,109 @@ def run_batch(
         expected_cache_heads=heads_to_expect(reference.config, own_heads, keys),
         recurrent_state=recurrent,
         state_only=recurrent and keys is None,
-        hugging_face_cached_rel_err=own_rounding,
         hf_generate_rel_err=hf_rel_err,
         hf_generate_error=hf_error,
+        order_rel_err=order,
+        # The last step fed the last token but one, after every position before it.
+        cached_positions=int(sequences.shape[1]) - 2,
+        top1_agreement=oracle.agreement(step_logits, own),
+        replay=("causal", sequences, mask, positions, own, new_tokens),
+    )
+
+
+def prefix_order(
+    bridge: Any,
+    sequences: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    own: torch.Tensor,
+    new_tokens: int,
+    order_steps: int | None,
+    scale: float,
+) -> tuple[float | None, float | None]:
+    """``order`` (:func:`safelens_tl.verify.oracle.order_error`) and the mean seconds of one
+    prefix forward (what a step of uncached generation costs). ``order_steps`` 0: nothing
+    measured, ``(None, None)``.
+
+    Other orders of the same sums, each one uncached forward in the dtype: the forwards over the
+    prefixes ending at the chosen steps, and (where the model takes a padded batch) the whole
+    sequence behind :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding,
+    which gives every matrix product and attention row other lengths and alignments at every
+    step."""
+    if order_steps == 0:
+        return None, None
+    chosen = oracle.order_steps(new_tokens, order_steps)
+    prompt = sequences.shape[1] - new_tokens
+    other, whole = [], []
+    start = time.perf_counter()
+    for step in chosen:
+        end = prompt + step  # the prefix that predicts generated token ``step``
+        logits = _bridge_forward(bridge, sequences[:, :end], mask[:, :end], positions[:, :end])
+        other.append(logits[:, -1])
+        whole.append(own[:, step])
+    seconds = (time.perf_counter() - start) / max(len(chosen), 1)
+    if generates_padded_batches(bridge):
+        pad_id = getattr(bridge.tokenizer, "pad_token_id", None)
+        for shift in oracle.SHIFTS:
+            pad = torch.full(
+                (sequences.shape[0], shift),
+                0 if pad_id is None else int(pad_id),
+                dtype=sequences.dtype,
+                device=sequences.device,
+            )
+            blank = torch.zeros_like(pad, dtype=mask.dtype)
+            logits = _bridge_forward(
+                bridge,
+                torch.cat([pad, sequences], dim=1),
+                torch.cat([blank, mask], dim=1),
+                torch.cat([blank.to(positions.dtype), positions], dim=1),
+            )
+            other.append(logits[:, -new_tokens - 1 : -1])
+            whole.append(own)
+    return oracle.order_error(other, whole, scale), seconds
+
+
+def add_float32_rounding(bridge: Any, runs: Sequence[BridgeRun]) -> list[BridgeRun]:
+    """``runs`` with ``rounding_rel_err``: the uncached forward over each run's sequence in its
+    dtype against the same forward in float32, for which ``bridge`` is converted to float32 (the
+    dtype's weights, float32 arithmetic). Call it last: the bridge stays in float32. Runs whose
+    replay is unknown, or a conversion that fails (memory), keep ``None``."""
+    if not runs or all(run.replay is None for run in runs):
+        return list(runs)
+    try:
+        with contextlib.redirect_stdout(None):
+            bridge.to(torch.float32)
+    except (RuntimeError, MemoryError):
+        return list(runs)
+    measured = []
+    for run in runs:
+        rounding = None
+        if run.replay is not None and run.replay[0] == "causal":
+            _, sequences, mask, positions, own, new_tokens = run.replay
+            logits = _bridge_forward(bridge, sequences, mask, positions)
+            rounding = oracle.relative_error(own, logits[:, -new_tokens - 1 : -1])
+        elif run.replay is not None and run.replay[0] == "seq2seq":
+            _, encoded, decoder_ids, own = run.replay
+            logits, _ = _seq2seq_decoder_forward(bridge.original_model, encoded, decoder_ids)
+            rounding = oracle.relative_error(own, logits)
+        measured.append(replace(run, rounding_rel_err=rounding))
+    return measured
+
+
+def allowance_of(runs: Sequence[BridgeRun], dtype: torch.dtype) -> oracle.Allowance:
+    """The allowance of a model's runs in ``dtype``: the worst ``order`` and ``rounding`` they
+    measured, and whether any keeps a recurrent state (:func:`safelens_tl.verify.oracle.allowance`).
+    """
+    orders = [run.order_rel_err for run in runs if run.order_rel_err is not None]
+    roundings = [run.rounding_rel_err for run in runs if run.rounding_rel_err is not None]
+    rounding = (
+        0.0 if dtype == torch.float32 else (oracle.worst_error(roundings) if roundings else None)
+    )
+    return oracle.allowance(
+        dtype,
+        oracle.worst_error(orders) if orders else None,
+        rounding,
+        any(run.recurrent_state for run in runs),
     )
 
 
@@ -544,74 +709,22 @@ def hf_generate_against_uncached(
     output = greedy_hf_generate(bridge, prompts, new_tokens)
     sequences = output.sequences
     mask, positions = mask_and_positions(bridge, sequences)
-    with torch.inference_mode():
-        own = bridge(sequences, attention_mask=mask, position_ids=positions, return_type="logits")
-    return relative_error(torch.stack(list(output.logits), dim=1), own[:, -new_tokens - 1 : -1])
-
-
-def hugging_face_cached_error(
-    reference: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, new_tokens: int
-) -> float:
-    """Hugging Face's own greedy cached ``generate`` from ``prompt_ids`` (left-padded, with their
-    mask) against its own uncached forward over what it generated: how far the model's cached
-    path rounds from its uncached one with no TransformerLens involved (relative error)."""
-    with torch.inference_mode():
-        output = reference.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            max_new_tokens=new_tokens,
-            # Raw logits are compared, so suppressing an early end changes nothing compared.
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        generated = torch.ones(
-            prompt_mask.shape[0], new_tokens, dtype=prompt_mask.dtype, device=prompt_mask.device
-        )
-        mask = torch.cat([prompt_mask, generated], dim=1)
-        positions = _positions(mask)
-        full = reference(
-            input_ids=output.sequences, attention_mask=mask, position_ids=positions
-        ).logits
-    return relative_error(torch.stack(list(output.logits), dim=1), full[:, -new_tokens - 1 : -1])
-
-
-@dataclass(frozen=True)
-class Float32Control:
-    """The checkpoint's cached generate in float32, where rounding is ~1e-6: the largest error
-    against the bridge's own uncached forward and against Hugging Face's."""
-
-    own: float
-    reference: float
-
-
-def float32_control(folder: str | Path, device: str = "cpu") -> Float32Control | None:
-    """Run every batch of the checkpoint in ``folder`` in float32 (:func:`run_folder`); ``None``
-    where that cannot run (float32 does not fit in memory, say)."""
-    try:
-        runs = run_folder(folder, torch.float32, device)
-    except (RuntimeError, MemoryError):
-        return None
-    return Float32Control(
-        own=worst_error(run.max_rel_err for run in runs),
-        reference=worst_error(run.reference_rel_err for run in runs),
+    own = _bridge_forward(bridge, sequences, mask, positions)
+    return oracle.relative_error(
+        torch.stack(list(output.logits), dim=1), own[:, -new_tokens - 1 : -1]
     )
 
 
 def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest absolute difference of ``logits`` from ``expected``, relative to the largest
-    ``expected`` logit (in float32)."""
-    expected = expected.float()
-    difference = (logits.float().to(expected.device) - expected).abs().max()
-    return float(difference / expected.abs().max().clamp_min(1e-6))
+    ``expected`` logit (in float32); see :func:`safelens_tl.verify.oracle.relative_error`."""
+    return oracle.relative_error(logits, expected)
 
 
 def worst_error(errors: Iterable[float]) -> float:
-    """The largest of ``errors``, or NaN when any is NaN: Python's ``max`` keeps whichever of a
-    number and a NaN comes first, and so could report NaN logits as right."""
-    values = list(errors)
-    return math.nan if any(math.isnan(value) for value in values) else max(values)
+    """The largest of ``errors``, or NaN when any is NaN; see
+    :func:`safelens_tl.verify.oracle.worst_error`."""
+    return oracle.worst_error(errors)
 
 
 def run_bridge(
@@ -622,25 +735,53 @@ def run_bridge(
 
 
 def run_folder(
-    folder: str | Path, dtype: torch.dtype, device: str = "cpu", conversion: str = "boot"
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    conversion: str = "boot",
+    new_tokens: int = NEW_TOKENS,
 ) -> list[BridgeRun]:
     """Boot the checkpoint in ``folder`` and run :func:`run_batches` on it."""
     bridge = boot_folder(folder, dtype, device, conversion)
-    return run_batches(bridge, reference_from(folder, dtype, device))
+    return run_batches(bridge, reference_from(folder, dtype, device), new_tokens)
 
 
-def run_batches(bridge: Any, reference: Any) -> list[BridgeRun]:
+def run_batches(
+    bridge: Any,
+    reference: Any,
+    new_tokens: int = NEW_TOKENS,
+    *,
+    uncached_generate: bool = True,
+    order_steps: int | None = 0,
+    hf_generate_batches: Sequence[int] | None = None,
+) -> list[BridgeRun]:
     """:func:`run_batch` for every batch of :data:`BATCHES` that ``bridge`` can generate (one
     prompt only where it refuses a padded batch: :func:`generates_padded_batches`); for an
-    encoder-decoder checkpoint, :func:`run_seq2seq_batch`."""
-    run = run_batch
-    if getattr(reference.config, "is_encoder_decoder", False):
-        run = run_seq2seq_batch
+    encoder-decoder checkpoint, :func:`run_seq2seq_batch`. ``hf_generate_batches``: the batch
+    sizes ``hf_generate`` runs on too (``None``: every one; where the padded batch is refused,
+    the single prompt)."""
     batched = generates_padded_batches(bridge)
+    chosen = [prompts for prompts in BATCHES.values() if batched or len(prompts) == 1]
+    if getattr(reference.config, "is_encoder_decoder", False):
+        return [
+            run_seq2seq_batch(bridge, reference, prompts, new_tokens, order_steps=order_steps)
+            for prompts in chosen
+        ]
     return [
-        run(bridge, reference, prompts)
-        for prompts in BATCHES.values()
-        if batched or len(prompts) == 1
+        run_batch(
+            bridge,
+            reference,
+            prompts,
+            new_tokens,
+            uncached_generate=uncached_generate,
+            order_steps=order_steps,
+            hf_generate=(
+                hf_generate_batches is None
+                or len(prompts) in hf_generate_batches
+                or len(chosen) == 1
+            ),
+        )
+        for prompts in chosen
     ]
 
 
@@ -693,38 +834,23 @@ def cache_argument_diagnosis() -> str | None:
 
 
 def _seq2seq_decoder_forward(
-    model: Any, encoded: Any, decoder_ids: torch.Tensor
+    model: Any, encoded: Any, decoder_ids: torch.Tensor, use_cache: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One uncached forward over ``decoder_ids``: its logits, and the keys of the first decoder
-    self-attention layer it caches (``None`` where none holds keys)."""
+    """One forward over ``decoder_ids``: its logits, and with ``use_cache`` the keys of the first
+    decoder self-attention layer it caches (``None`` where none holds keys, or without it)."""
     with torch.inference_mode():
         output = model(
             input_ids=encoded["input_ids"],
             attention_mask=encoded["attention_mask"],
             decoder_input_ids=decoder_ids,
-            use_cache=True,
+            use_cache=use_cache,
         )
+    if not use_cache:
+        return output.logits, None
     cache = cache_of(output)
     # An EncoderDecoderCache holds the cross-attention's keys too, which never change.
     keys = first_cache_layer(getattr(cache, "self_attention_cache", cache))
     return output.logits, keys
-
-
-def seq2seq_hugging_face_cached_error(reference: Any, encoded: Any, new_tokens: int) -> float:
-    """Hugging Face's own greedy cached ``generate`` against its own uncached forward over what it
-    generated, no TransformerLens involved: the rounding of the model's cached path itself."""
-    with torch.inference_mode():
-        output = reference.generate(
-            input_ids=encoded["input_ids"],
-            attention_mask=encoded["attention_mask"],
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    full, _ = _seq2seq_decoder_forward(reference, encoded, output.sequences[:, :-1])
-    return relative_error(torch.stack(list(output.logits), dim=1), full)
 
 
 def run_seq2seq_batch(
@@ -732,6 +858,8 @@ def run_seq2seq_batch(
     reference: Any,
     prompts: Sequence[str],
     new_tokens: int = NEW_TOKENS,
+    *,
+    order_steps: int | None = 0,
 ) -> BridgeRun:
     """``hf_generate`` of an encoder-decoder checkpoint's ``prompts`` with and without the
     cache; the cached one replayed (see the comment above :func:`_seq2seq_decoder_forward`)."""
@@ -745,14 +873,28 @@ def run_seq2seq_batch(
     # The decoder's start token, then one token per step: each step's logits predict the next.
     sequences = cached.sequences.to(device)
     step_logits = torch.stack(list(cached.logits), dim=1)
-    own, keys = _seq2seq_decoder_forward(bridge.original_model, encoded, sequences[:, :-1])
-    full, own_keys = _seq2seq_decoder_forward(reference, encoded, sequences[:, :-1])
+    decoder_ids = sequences[:, :-1]
+    own, _ = _seq2seq_decoder_forward(bridge.original_model, encoded, decoder_ids)
+    full, _ = _seq2seq_decoder_forward(reference, encoded, decoder_ids)
+    _, keys = _seq2seq_decoder_forward(bridge.original_model, encoded, decoder_ids, True)
+    _, own_keys = _seq2seq_decoder_forward(reference, encoded, decoder_ids, True)
     own_heads = None if own_keys is None else int(own_keys.shape[1])
+    order = None
+    if order_steps != 0:
+        chosen = oracle.order_steps(decoder_ids.shape[1], order_steps)
+        prefix = [
+            _seq2seq_decoder_forward(bridge.original_model, encoded, decoder_ids[:, : step + 1])[0][
+                :, -1
+            ]
+            for step in chosen
+        ]
+        whole = [own[:, step] for step in chosen]
+        order = oracle.order_error(prefix, whole, float(own.float().abs().max()))
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),
-        max_rel_err=relative_error(step_logits, own),
-        reference_rel_err=relative_error(step_logits, full),
+        max_rel_err=oracle.relative_error(step_logits, own),
+        reference_rel_err=oracle.relative_error(step_logits, full),
         cached_tokens=sequences[:, -new_tokens:].cpu(),
         uncached_tokens=uncached.sequences[:, -new_tokens:].cpu(),
         seconds_cached=middle - start,
@@ -761,8 +903,9 @@ def run_seq2seq_batch(
         cache_device=None if keys is None else keys.device,
         cache_heads=None if keys is None else int(keys.shape[1]),
         expected_cache_heads=heads_to_expect(reference.config, own_heads, keys),
-        hugging_face_cached_rel_err=seq2seq_hugging_face_cached_error(
-            reference, encoded, new_tokens
-        ),
         reference_held=next(reference.parameters()).dtype == torch.float32,
+        order_rel_err=order,
+        cached_positions=int(decoder_ids.shape[1]) - 1,
+        top1_agreement=oracle.agreement(step_logits, own),
+        replay=("seq2seq", encoded, decoder_ids, own),
     )

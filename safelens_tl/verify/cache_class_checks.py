@@ -11,10 +11,18 @@ from typing import Any
 
 import torch
 
+from safelens_tl.kv import storage as kv_storage
+
 #: A grouped-query shape: 4 query heads share 2 key/value heads.
 N_HEADS, N_KEY_VALUE_HEADS, D_HEAD, N_LAYERS, BATCH = 4, 2, 16, 2, 2
-#: Positions appended per call: a prompt of 5, then one token at a time, as ``generate`` does.
-STEPS = (5, 1, 1, 1)
+#: Positions appended per call: a prompt of 5, then one token at a time, as ``generate`` does, up
+#: to 72 positions.
+STEPS = (5, *(1,) * 67)
+#: Positions kept in a small cache (``torch.cat``) before the entry moves to a buffer written in
+#: place, which then grows by a quarter whenever it is full: every storage path of safelens-tl's
+#: cache, and the moves between them, in one run (left to the default limit of 64 KiB, a cache
+#: this small would never leave the first).
+SMALL_POSITIONS = 8
 
 
 def _config(dtype: torch.dtype) -> Any:
@@ -44,8 +52,8 @@ def cache_class_problems(dtype: torch.dtype, device: str) -> list[str]:
     """Build a real cache for a GQA config in ``dtype`` on ``device``, append, and list problems.
 
     Checked: the empty entry's dtype and head count, the dtype and device of what ``append``
-    returns and stores, and that the appended keys and values equal ``torch.cat`` of the pieces
-    exactly (the cache moves data, it must not change it).
+    returns and stores, and that after every append the keys and values equal ``torch.cat`` of
+    the pieces exactly (the cache moves data, it must not change it), over :data:`STEPS`.
     """
     from safelens_tl import targets
 
@@ -63,23 +71,41 @@ def cache_class_problems(dtype: torch.dtype, device: str) -> list[str]:
     generator = torch.Generator().manual_seed(0)
     keys_seen: list[torch.Tensor] = []
     values_seen: list[torch.Tensor] = []
-    keys = values = torch.empty(0)
-    for length in STEPS:
-        shape = (BATCH, length, N_KEY_VALUE_HEADS, D_HEAD)
-        new_keys = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-        new_values = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-        keys_seen.append(new_keys)
-        values_seen.append(new_values)
-        keys, values = entry.append(new_keys, new_values)
-    if keys.dtype != dtype or values.dtype != dtype:
-        problems.append(f"append returned {keys.dtype}/{values.dtype} for {dtype} keys/values")
-    if not same_device(keys.device, device):
-        problems.append(f"append returned keys on {keys.device}, computed on {device}")
-    expected_keys, expected_values = torch.cat(keys_seen, dim=1), torch.cat(values_seen, dim=1)
-    if keys.shape != expected_keys.shape or not torch.equal(keys.to(dtype), expected_keys):
-        problems.append("appended keys differ from torch.cat of the pieces")
-    if values.shape != expected_values.shape or not torch.equal(values.to(dtype), expected_values):
-        problems.append("appended values differ from torch.cat of the pieces")
+    returned: tuple[torch.dtype, torch.dtype, torch.device] | None = None
+    position_bytes = BATCH * N_KEY_VALUE_HEADS * D_HEAD * torch.finfo(dtype).bits // 8
+    differs: list[int] = []
+    with kv_storage.small_cache_limit(SMALL_POSITIONS * position_bytes):
+        for step, length in enumerate(STEPS):
+            shape = (BATCH, length, N_KEY_VALUE_HEADS, D_HEAD)
+            new_keys = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+            new_values = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+            keys_seen.append(new_keys)
+            values_seen.append(new_values)
+            keys, values = entry.append(new_keys, new_values)
+            # Every step, not only the last: a bug from any step on shows where it starts.
+            expected_keys = torch.cat(keys_seen, dim=1)
+            expected_values = torch.cat(values_seen, dim=1)
+            if not (_equal(keys, expected_keys, dtype) and _equal(values, expected_values, dtype)):
+                differs.append(step)
+            returned = (keys.dtype, values.dtype, keys.device)
+            # Held past the next append, they would make it copy the buffer (copy-on-write)
+            # rather than write in place: the path to check.
+            del keys, values
+    if differs:
+        problems.append(
+            f"appended keys or values differ from torch.cat of the pieces from append "
+            f"{differs[0] + 1} of {len(STEPS)} on ({len(differs)} appends)"
+        )
+    if returned is not None:
+        keys_dtype, values_dtype, keys_device = returned
+        if keys_dtype != dtype or values_dtype != dtype:
+            problems.append(f"append returned {keys_dtype}/{values_dtype} for {dtype} keys/values")
+        if not same_device(keys_device, device):
+            problems.append(f"append returned keys on {keys_device}, computed on {device}")
     if entry.past_keys.shape[1] != sum(STEPS):
         problems.append(f"entry holds {entry.past_keys.shape[1]} positions, {sum(STEPS)} appended")
     return problems
+
+
+def _equal(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    return got.shape == expected.shape and torch.equal(got.to(dtype), expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,25 +11,30 @@ import torch
 
 from safelens_tl.kv import entry as kv_cache
 from safelens_tl.kv import storage as kv_storage
+from safelens_tl.verify import models, oracle
 
-#: Largest relative error (|cached - uncached|, relative to the largest uncached logit) allowed
-#: between cached and uncached logits of the same model in the same dtype. The two paths compute
-#: the same sums, one query at a time against a growing cache versus all queries at once, so a
-#: correct cache differs by rounding only: on a CPU not at all (the built-in models show 0 in
-#: float16 and bfloat16, ~1e-6 in float32), elsewhere by a unit in the last place of the largest
-#: logit. The bounds follow the dtype's unit in the last place (eps: float16 2^-10 ~ 9.8e-4,
-#: bfloat16 2^-7 ~ 7.8e-3): two units for float16, one for bfloat16, and 1e-4 for float32. They
-#: must stay under what a slightly wrong cache does: 1% too large past keys or values move the
-#: built-in models' logits by 5.5e-3 to 4e-2 (tests/test_verify_tolerances.py checks that every
-#: dtype and model fails such a cache), and a lost position or a wrong mask by order 1.
-TOLERANCES: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float16: 2e-3,
-    torch.bfloat16: 8e-3,
-}
+#: The least allowance per dtype for cached against uncached logits of the same model in the same
+#: dtype, relative to the largest logit: :data:`safelens_tl.verify.oracle.FLOORS` (a couple of
+#: units in the last place). A correct cache on a CPU shows 0 on the built-in models in float16
+#: and bfloat16 and ~1e-6 in float32; what a model's depth adds is measured per run
+#: (:mod:`safelens_tl.verify.oracle`).
+TOLERANCES: dict[torch.dtype, float] = oracle.FLOORS
 
 PROMPTS = ("the cat runs", "a big old dog sleeps in the quiet house")
 CONTINUATION = "and the red bird sings while the river flows"
+#: What the teacher-forced check feeds after each prompt: :data:`CONTINUATION`, then words of the
+#: built-in vocabulary in a fixed order, so that the last step attends over at least 64 cached
+#: positions (the longest prompt is 9 words and a BOS: 76 positions in all).
+LONG_CONTINUATION = " ".join(
+    [CONTINUATION, *(models.WORDS[(7 * index + 3) % len(models.WORDS)] for index in range(56))]
+)
+#: ``--thorough``: more of the same words, up to 120 positions (the built-in models hold 128).
+THOROUGH_CONTINUATION = " ".join(
+    [CONTINUATION, *(models.WORDS[(7 * index + 3) % len(models.WORDS)] for index in range(100))]
+)
+#: Prompts per batch size, as :data:`safelens_tl.verify.bridge.BATCHES`: one prompt, and two of
+#: different lengths (left-padded).
+BATCHES: dict[int, tuple[str, ...]] = {1: PROMPTS[1:], 2: PROMPTS}
 
 
 @dataclass(frozen=True)
@@ -39,19 +45,37 @@ class TeacherForced:
     uncached: torch.Tensor
     mask: torch.Tensor
     cache: Any
+    #: Positions fed at once before the token-by-token steps.
+    prompt_positions: int = 6
+    #: :func:`safelens_tl.verify.oracle.order_error` of the uncached forwards over prefixes;
+    #: ``None`` where not measured.
+    order: float | None = None
 
     @property
     def max_rel_err(self) -> float:
         """Largest |cached - uncached| over real (non-pad) positions, relative to max |uncached|."""
-        valid = self.mask.bool()
-        difference = (self.cached.float() - self.uncached.float()).abs()[valid]
-        scale = self.uncached.float().abs()[valid].max().clamp_min(1e-6)
-        return float(difference.max() / scale)
+        return oracle.relative_error(self.cached, self.uncached, self.mask)
+
+    @property
+    def cached_positions(self) -> int:
+        """Cached positions the last step attended over (padding included)."""
+        return int(self.mask.shape[1]) - 1
+
+    @property
+    def top1_agreement(self) -> float:
+        """Share of the token-by-token steps (real positions) whose top token is the uncached
+        forward's."""
+        steps = self.mask.clone()
+        steps[:, : self.prompt_positions] = 0
+        return oracle.agreement(self.cached, self.uncached, steps)
 
 
-def padded_batch(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens of two prompts of different lengths, left-padded, each followed by a continuation."""
-    texts = [f"{prompt} {CONTINUATION}" for prompt in PROMPTS]
+def padded_batch(
+    model: Any, continuation: str = CONTINUATION, prompts: tuple[str, ...] = PROMPTS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of the prompts (by default two of different lengths), left-padded, each followed by
+    ``continuation``."""
+    texts = [f"{prompt} {continuation}" for prompt in prompts]
     tokens = model.to_tokens(texts, padding_side="left")
     return tokens, left_padding_mask(tokens, model.tokenizer, model.cfg.default_prepend_bos)
 
@@ -79,16 +103,26 @@ def cache_class() -> Any:
 
 
 @torch.inference_mode()
-def teacher_forced(model: Any, prompt_positions: int = 6) -> TeacherForced:
-    """Run the padded batch through the model once uncached and once with the cache.
+def teacher_forced(
+    model: Any,
+    prompt_positions: int = 6,
+    batch: int = 2,
+    continuation: str = LONG_CONTINUATION,
+    order_steps: int | None = 0,
+) -> TeacherForced:
+    """Run a left-padded batch (:data:`BATCHES`) through the model once uncached and once with
+    the cache.
 
     The cached run feeds the first ``prompt_positions`` tokens at once, then one token at a time,
     exactly like ``generate``; every position's logits are kept for comparison. The prompt and
     the first two steps are kept as a small cache (``torch.cat``), the rest in a buffer written
-    in place: each way safelens-tl stores a cache, and the move between them, in one run. (Left
-    to the default limit, these tiny models' caches would stay small throughout.)
+    in place, which grows by a quarter whenever it is full (nine times over the default
+    continuation): each way safelens-tl stores a cache, and the moves between them, in one run.
+    (Left to the default limit, these tiny models' caches would stay small throughout.)
+    ``order_steps``: how many uncached forwards over prefixes measure ``order`` (0: none; ``None``:
+    one per step).
     """
-    tokens, mask = padded_batch(model)
+    tokens, mask = padded_batch(model, continuation, BATCHES[batch])
     device = model.cfg.device
     tokens, mask = tokens.to(device), mask.to(device)
     uncached = model(tokens, attention_mask=mask)
@@ -96,7 +130,50 @@ def teacher_forced(model: Any, prompt_positions: int = 6) -> TeacherForced:
     small_bytes = (prompt_positions + 2) * position_bytes(model.cfg, tokens.shape[0])
     with kv_storage.small_cache_limit(small_bytes):
         cached = cached_logits(model, tokens, mask, cache, prompt_positions)
-    return TeacherForced(cached, uncached, mask, cache)
+    order = None
+    if order_steps != 0:
+        order = prefix_order(model, tokens, mask, uncached, prompt_positions, order_steps)
+    return TeacherForced(cached, uncached, mask, cache, prompt_positions, order)
+
+
+@torch.inference_mode()
+def prefix_order(
+    model: Any,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    uncached: torch.Tensor,
+    prompt_positions: int,
+    order_steps: int | None,
+) -> float:
+    """``order`` (:func:`safelens_tl.verify.oracle.order_error`): other orders of the same sums,
+    each one uncached forward in the dtype, against the forward over the whole sequence: the
+    forwards over the prefixes ending at ``order_steps`` of the token-by-token positions (spread,
+    the last included; ``None``: all of them), and the whole sequence behind
+    :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding."""
+    steps = tokens.shape[1] - prompt_positions
+    chosen = [prompt_positions + step for step in oracle.order_steps(steps, order_steps)]
+    valid = mask.bool()
+    other, whole = [], []
+    for position in chosen:
+        end = position + 1
+        logits = model(tokens[:, :end], attention_mask=mask[:, :end])
+        # Left padding: a row whose prefix is all padding has no logits worth comparing.
+        real = valid[:, position]
+        other.append(logits[:, -1][real])
+        whole.append(uncached[:, position][real])
+    pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    for shift in oracle.SHIFTS:
+        pad = torch.full(
+            (tokens.shape[0], shift), 0 if pad_id is None else int(pad_id), dtype=tokens.dtype
+        ).to(tokens.device)
+        shifted = model(
+            torch.cat([pad, tokens], dim=1),
+            attention_mask=torch.cat([torch.zeros_like(pad, dtype=mask.dtype), mask], dim=1),
+        )
+        other.append(shifted[:, shift:][valid])
+        whole.append(uncached[valid])
+    scale = float(uncached.float().abs()[valid].max())
+    return oracle.order_error(other, whole, scale)
 
 
 def position_bytes(cfg: Any, batch: int) -> int:
@@ -228,11 +305,24 @@ def greedy_arguments(max_new_tokens: int) -> dict[str, Any]:
     }
 
 
-def timed_generation(model: Any, max_new_tokens: int = 8) -> TimedGeneration:
-    """Generate greedily on the left-padded batch of two, cached then uncached, and time both."""
+def timed_generation(
+    model: Any, max_new_tokens: int = 8, small_cache: bool = False
+) -> TimedGeneration:
+    """Generate greedily on the left-padded batch of two, cached then uncached, and time both.
+
+    ``small_cache``: the cached ``generate`` keeps the prompt and two steps in a small cache
+    (``torch.cat``) and then moves to a buffer planned for the rest (``generate`` reserves its
+    new tokens ahead), as a larger model's cache would; left to the default limit, the built-in
+    models' caches stay small."""
     common = greedy_arguments(max_new_tokens)
+    limit: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if small_cache:
+        prompt = int(model.to_tokens(list(PROMPTS), padding_side="left").shape[1])
+        per_position = position_bytes(model.cfg, len(PROMPTS))
+        limit = kv_storage.small_cache_limit((prompt + 2) * per_position)
     start = time.perf_counter()
-    cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
+    with limit:
+        cached = model.generate(list(PROMPTS), use_past_kv_cache=True, **common)
     middle = time.perf_counter()
     uncached = model.generate(list(PROMPTS), use_past_kv_cache=False, **common)
     end = time.perf_counter()

@@ -35,13 +35,17 @@ class CheckResult:
     #: (``None``: reported, not held; encoder-decoder models in half precision).
     reference_rel_err: float | None = None
     reference_tolerance: float | None = None
-    #: TransformerBridge rows: Hugging Face's own cached generate against its uncached forward. For
-    #: models with a recurrent state (Mamba, hybrids) twice this, where larger, is the tolerance.
-    hugging_face_cached_rel_err: float | None = None
-    #: TransformerBridge rows in half precision whose error passed the dtype's fixed bound: why
-    #: it is rounding (held to twice ``hugging_face_cached_rel_err``, the same checkpoint exact in
-    #: float32), or why it is not.
-    rounding: str | None = None
+    #: Where ``tolerance`` comes from (:meth:`safelens_tl.verify.oracle.Allowance.basis`).
+    allowance: str | None = None
+    #: How far the model's uncached forward moves when only the order of its sums changes, same
+    #: dtype and tokens (:func:`safelens_tl.verify.oracle.order_error`): the allowance is twice
+    #: this, at least the dtype's floor.
+    order_rel_err: float | None = None
+    #: TransformerBridge rows: the uncached forward in the dtype against float32 on the same
+    #: tokens; bounds the reference comparison (and, with a recurrent state, the allowance).
+    rounding_rel_err: float | None = None
+    #: Cached positions the last compared step attended over; every step up to it is compared.
+    cached_positions: int | None = None
     #: TransformerBridge rows: ``hf_generate`` (Hugging Face's loop over the bridge, cached)
     #: against the bridge's uncached forward, held to ``tolerance``; ``None`` where it is missing.
     hf_generate_rel_err: float | None = None
@@ -50,6 +54,8 @@ class CheckResult:
     #: below greedy on each prompt alone (the largest shortfall of a pick's logit under the top
     #: one, relative to the largest |logit|), held to twice ``tolerance``.
     alone_gap: float | None = None
+    #: Share of cached steps whose top token is the uncached forward's on the same tokens (the
+    #: smallest over the row's batches); below 90% fails.
     greedy_agreement: float | None = None
     cache_dtype: str | None = None
     cache_device: str | None = None
@@ -123,8 +129,8 @@ def _bound(value: float) -> str:
     return short if float(short) == value else f"{value:.1e}"
 
 
-def _rounding_cell(check: CheckResult) -> str:
-    return _number(check.hugging_face_cached_rel_err, ".1e")
+def _order_cell(check: CheckResult) -> str:
+    return _number(check.order_rel_err, ".1e")
 
 
 def table(report: Report) -> Table:
@@ -136,12 +142,13 @@ def table(report: Report) -> Table:
     )
     for column in ("model", "dtype", "device", "result", "max rel err <= tol"):
         result.add_column(column, no_wrap=True)
-    result.add_column("HF own**", justify="right")
+    result.add_column("order**", justify="right")
     result.add_column("greedy agree", justify="right")
+    result.add_column("cached", justify="right")
     result.add_column("cache", no_wrap=True)
     result.add_column("ms/tok cached*", justify="right")
     result.add_column("ms/tok uncached*", justify="right")
-    result.add_column("speed-up*", justify="right")
+    result.add_column("speed-up*", justify="right", no_wrap=True)
     for check in report.checks:
         verdict = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
         agreement = "-" if check.greedy_agreement is None else f"{check.greedy_agreement:.0%}"
@@ -151,8 +158,9 @@ def table(report: Report) -> Table:
             check.device,
             verdict,
             _error_cell(check),
-            _rounding_cell(check),
+            _order_cell(check),
             agreement,
+            "-" if check.cached_positions is None else str(check.cached_positions),
             _cache_cell(check),
             _number(check.ms_per_token_cached, ".0f"),
             _number(check.ms_per_token_uncached, ".0f"),
@@ -184,25 +192,19 @@ def render(report: Report, console: Console) -> None:
     console.print(table(report))
     if any(check.speedup is not None for check in report.checks):
         console.print(
-            "* indicative only: one cached and one uncached generate of a few tokens on tiny "
-            "models, where per-call overhead dominates; a value under 1x does not mean the "
-            "cache is slow. For speed, see benchmarks/ and docs/performance.md.",
+            "* indicative only: time per token with the cache and without it (uncached "
+            "generate, or forwards over prefixes) on tiny models, where per-call overhead "
+            "dominates; a value under 1x does not mean the cache is slow. For speed, see "
+            "benchmarks/ and docs/performance.md.",
             highlight=False,
         )
-    if any(check.hugging_face_cached_rel_err is not None for check in report.checks):
+    if any(check.order_rel_err is not None for check in report.checks):
         console.print(
-            "** Hugging Face's own cached generate against its own uncached forward, on the same "
-            "checkpoint and prompts: the rounding of the model's cached path without "
-            "TransformerLens.",
+            "** how far the model's uncached forward moves, in the same dtype on the same tokens, "
+            "when only the order of its sums changes (over each prefix; behind more padding). "
+            "The tolerance is twice this, at least the dtype's floor (docs/verify.md).",
             highlight=False,
         )
-    for check in report.checks:
-        if check.passed and check.rounding:
-            console.print(
-                f"[green]~[/] {escape(check.model)} {check.dtype} {check.device}: "
-                f"{escape(check.rounding)}",
-                highlight=False,
-            )
     for check in report.checks:
         if check.error:
             console.print(

@@ -22,13 +22,42 @@ from typing import Any, Protocol
 
 import torch
 
-from safelens_tl.verify import checks, diagnostics
+from safelens_tl.verify import checks, diagnostics, oracle
 from safelens_tl.verify.report import CheckResult, Report
 
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-#: Tokens each ``generate`` call adds (agreement and timing).
+#: Tokens each HookedTransformer ``generate`` call adds (timing, and greedy on each prompt alone).
 GENERATE_TOKENS = 8
 SPLIT_DEVICE = "cuda (2 GPUs)"
+
+
+@dataclass(frozen=True)
+class Depth:
+    """How far each row reaches: the default run, or ``--thorough``."""
+
+    #: Tokens TransformerBridge's cached ``generate`` adds to each batch. Every step is compared;
+    #: with 64 the last one reads the prompt and 62 generated positions from the cache.
+    bridge_tokens: int
+    #: Prefix forwards that measure ``order`` (``None``: one per step).
+    order_steps: int | None
+    #: What HookedTransformer's teacher-forced runs feed after each prompt.
+    continuation: str
+    #: Tokens HookedTransformer's ``generate`` adds.
+    generate_tokens: int
+
+
+#: At least 64 cached positions per row; ``order`` from 8 prefixes per batch.
+DEFAULT_DEPTH = Depth(64, oracle.ORDER_STEPS, checks.LONG_CONTINUATION, GENERATE_TOKENS)
+#: ``--thorough``: longer runs (the built-in HookedTransformer models' context is 128 positions,
+#: the built-in GPT-2 checkpoint's 256),
+#: ``order`` at every step, and HookedTransformer's ``generate`` long enough for its buffer to
+#: grow.
+THOROUGH_DEPTH = Depth(160, None, checks.THOROUGH_CONTINUATION, 80)
+
+
+def depth_for(thorough: bool) -> Depth:
+    """:data:`THOROUGH_DEPTH` or :data:`DEFAULT_DEPTH`."""
+    return THOROUGH_DEPTH if thorough else DEFAULT_DEPTH
 
 
 class Listener(Protocol):
@@ -94,8 +123,9 @@ def short_error(error: BaseException, limit: int = 240) -> str:
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """The tolerance of ``dtype``; dtypes without one (float64) use float32's."""
-    return checks.TOLERANCES.get(dtype, checks.TOLERANCES[torch.float32])
+    """The least allowance of ``dtype`` (:data:`safelens_tl.verify.oracle.FLOORS`); dtypes
+    without one (float64) use float32's."""
+    return oracle.floor_for(dtype)
 
 
 def _device_text(model: Any) -> str:
@@ -112,8 +142,13 @@ def _record_cache(result: CheckResult, model: Any, cache: Any) -> None:
     result.expected_cache_heads = checks.expected_cache_heads(model.cfg)
 
 
-def check_hooked(model: Any, name: str) -> CheckResult:
-    """Run every check on a ``HookedTransformer`` as it is (its own dtype and device)."""
+def check_hooked(model: Any, name: str, depth: Depth | None = None) -> CheckResult:
+    """Run every check on a ``HookedTransformer`` as it is (its own dtype and device).
+
+    The teacher-forced runs (:func:`checks.teacher_forced`, a batch of one prompt and a
+    left-padded batch of two) are judged by :mod:`~safelens_tl.verify.oracle`; ``generate``
+    itself is run for time and held to greedy on each prompt alone."""
+    depth = depth or DEFAULT_DEPTH
     dtype = model.cfg.dtype
     result = CheckResult(
         model=name,
@@ -126,27 +161,42 @@ def check_hooked(model: Any, name: str) -> CheckResult:
     if trap is not None:
         problems.append(trap)
     raised: dict[str, list[str]] = {}
+    bound = oracle.allowance(dtype if isinstance(dtype, torch.dtype) else torch.float32, None)
     try:
-        forced = checks.teacher_forced(model)
-        result.max_rel_err = forced.max_rel_err
-        _record_cache(result, model, forced.cache)
-        problems.extend(checks.cache_problems(model, forced.cache, forced.cached.shape[1]))
-        # Written as "not <=" so that a NaN error fails too.
-        if not result.max_rel_err <= (result.tolerance or 0.0):
-            problems.append(
-                f"cached logits differ from uncached by {result.max_rel_err:.2e} (relative), "
-                f"above the {result.dtype} tolerance {result.tolerance:.0e}"
+        forced = [
+            checks.teacher_forced(
+                model, batch=batch, continuation=depth.continuation, order_steps=depth.order_steps
             )
+            for batch in checks.BATCHES
+        ]
+        order = oracle.worst_error(run.order for run in forced if run.order is not None)
+        bound = oracle.allowance(bound.dtype, order)
+        result.order_rel_err = order
+        result.tolerance = bound.value
+        result.allowance = bound.basis()
+        result.max_rel_err = oracle.worst_error(run.max_rel_err for run in forced)
+        result.cached_positions = min(run.cached_positions for run in forced)
+        result.greedy_agreement = min(run.top1_agreement for run in forced)
+        _record_cache(result, model, forced[-1].cache)
+        for run in forced:
+            problems.extend(checks.cache_problems(model, run.cache, run.cached.shape[1]))
+        problems.extend(
+            oracle.judge(
+                result.max_rel_err,
+                bound,
+                result.greedy_agreement,
+                "cached logits differ from uncached",
+            )
+        )
     except Exception as error:
         raised.setdefault(short_error(error), []).append("the cached forward")
     try:
-        timed = checks.timed_generation(model, GENERATE_TOKENS)
+        timed = checks.timed_generation(model, depth.generate_tokens, small_cache=True)
         result.generate_ok = timed.cached_tokens.shape[0] == len(checks.PROMPTS)
-        result.greedy_agreement = timed.agreement
         result.ms_per_token_cached = 1000 * timed.seconds_cached / timed.new_tokens
         result.ms_per_token_uncached = 1000 * timed.seconds_uncached / timed.new_tokens
         result.speedup = timed.speedup
-        problems.extend(_alone_problems(result, model, timed))
+        problems.extend(_alone_problems(result, model, timed, bound))
     except Exception as error:
         result.generate_ok = False
         raised.setdefault(short_error(error), []).append("generate(use_past_kv_cache=True)")
@@ -157,20 +207,23 @@ def check_hooked(model: Any, name: str) -> CheckResult:
     return result
 
 
-def _alone_problems(result: CheckResult, model: Any, timed: checks.TimedGeneration) -> list[str]:
+def _alone_problems(
+    result: CheckResult, model: Any, timed: checks.TimedGeneration, bound: oracle.Allowance
+) -> list[str]:
     """Hold ``generate``'s rows to greedy on each prompt alone (see
-    :func:`checks.batch_against_alone`); record the gap on ``result``."""
+    :func:`checks.batch_against_alone`), within twice the allowance (each of the two logits
+    compared may be off by it); record the gap on ``result``."""
     against = checks.batch_against_alone(model, timed.cached_tokens, timed.new_tokens)
     result.alone_gap = against.worst_gap
     problems = [
         f"generate's row {row} does not hold its prompt's own tokens at its end"
         for row in against.misplaced_rows
     ]
-    bound = 2 * (result.tolerance or 0.0)
-    if not against.worst_gap <= bound:
+    allowed = 2 * bound.value
+    if not against.worst_gap <= allowed:
         problems.append(
             f"generate picks tokens that are not greedy for each prompt alone (a pick's logit "
-            f"{against.worst_gap:.2e} below the top one, relative; allowed {bound:.0e}): this "
+            f"{against.worst_gap:.2e} below the top one, relative; allowed {allowed:.1e}): this "
             "release's generate gives a padded batch's rows, or every prompt's positions, other "
             "logits than the model's own forward (docs/verify.md)"
         )
@@ -285,7 +338,9 @@ def _has_hooked_transformer() -> bool:
     return targets.locate().known.has_hooked_transformer
 
 
-def _builtin_hooked_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+def _builtin_hooked_tasks(
+    dtypes: Sequence[torch.dtype], devices: Sequence[str], depth: Depth
+) -> list[Task]:
     from safelens_tl.verify import models
 
     tasks = []
@@ -304,7 +359,7 @@ def _builtin_hooked_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str])
                     n_devices: int = n_devices,
                 ) -> CheckResult:
                     model = models.build_model(name, dtype, device, n_devices=n_devices)
-                    return check_hooked(model, name)
+                    return check_hooked(model, name, depth)
 
                 tasks.append(_guarded(name, dtype, label, run))
     return tasks
@@ -322,6 +377,7 @@ def _cache_class_check(dtype: torch.dtype, device: str) -> CheckResult:
         passed=not problems,
         cache_heads=cache_class_checks.N_KEY_VALUE_HEADS if not problems else None,
         expected_cache_heads=cache_class_checks.N_KEY_VALUE_HEADS,
+        cached_positions=sum(cache_class_checks.STEPS) - 1,
         error="; ".join(problems) or None,
     )
 
@@ -332,19 +388,23 @@ def bridge_label(name: str) -> str:
 
 
 def _bridge_check(
-    label: str, dtype: torch.dtype, device: str, folder: str | None = None
+    label: str,
+    dtype: torch.dtype,
+    device: str,
+    folder: str | None = None,
+    depth: Depth | None = None,
 ) -> CheckResult:
     """A TransformerBridge model: cached ``generate`` replayed against its own uncached forward
-    and Hugging Face's. The built-in model ``label`` unless ``folder`` names a checkpoint."""
+    and Hugging Face's, judged by :mod:`~safelens_tl.verify.oracle`. The built-in model
+    ``label`` unless ``folder`` names a checkpoint."""
     import safelens_tl
     from safelens_tl.verify import bridge
 
+    depth = depth or DEFAULT_DEPTH
     source = folder if folder is not None else bridge.model_folder(label)
     try:
-        loaded = (
-            bridge.boot_folder(source, dtype, device),
-            bridge.reference_from(source, dtype, device),
-        )
+        model = bridge.boot_folder(source, dtype, device)
+        reference = bridge.reference_from(source, dtype, device)
     except Exception as error:
         if folder is None:
             raise  # a built-in model: a failed check
@@ -353,60 +413,25 @@ def _bridge_check(
             f"--model {folder}: cannot load the checkpoint in {diagnostics.dtype_name(dtype)} "
             f"({short_error(error)}); check its config.json, weights and tokenizer files"
         ) from error
-    runs = bridge.run_batches(*loaded)
-    rounding = [r.hugging_face_cached_rel_err for r in runs if r.hugging_face_cached_rel_err]
-    own_rounding = max(rounding) if rounding else None
-    # Models with a recurrent state cannot be held closer than their own cached path gets without
-    # TransformerLens. Attention-only models stay at the dtype's tolerance unless the float32
-    # control below shows the excess is rounding.
-    recurrent = any(run.recurrent_state for run in runs)
-    floor = bridge.OWN_ROUNDING_FACTOR * own_rounding if recurrent and own_rounding else 0.0
-    tolerance = max(tolerance_for(dtype), floor)
+    runs = bridge.run_batches(
+        model,
+        reference,
+        depth.bridge_tokens,
+        uncached_generate=False,
+        order_steps=depth.order_steps,
+        # Hugging Face's loop over the bridge's modules: on the padded batch, which holds every
+        # cache path the batch of one does, and more (padding, rows of other lengths).
+        hf_generate_batches=(max(bridge.BATCHES),),
+    )
+    del reference
+    if dtype != torch.float32:
+        runs = bridge.add_float32_rounding(model, runs)  # the bridge is float32 from here on
+    del model
+    bound = bridge.allowance_of(runs, dtype)
+    order, rounding = bound.order, bound.rounding
     reference_tolerance: float | None = None
     if all(run.reference_held for run in runs):
-        reference_tolerance = max(bridge.REFERENCE_TOLERANCES.get(dtype, tolerance), floor)
-    rounding_note: str | None = None
-    rounding_bound = bridge.OWN_ROUNDING_FACTOR * (own_rounding or 0.0)
-    hf_generate = [run.hf_generate_rel_err for run in runs if run.hf_generate_rel_err is not None]
-    errors = [
-        bridge.worst_error(run.max_rel_err for run in runs),
-        bridge.worst_error(run.reference_rel_err for run in runs),
-        bridge.worst_error(hf_generate) if hf_generate else 0.0,
-    ]
-    bounds = [
-        tolerance,
-        reference_tolerance if reference_tolerance is not None else math.inf,
-        tolerance,
-    ]
-    if dtype != torch.float32 and any(
-        not error <= bound and error <= max(bound, rounding_bound)
-        for error, bound in zip(errors, bounds, strict=True)
-    ):
-        # Over the dtype's fixed bound, within the model's own rounding: deep models round
-        # further (30 layers in bfloat16: 2e-2) than a cache 1% off moves a tiny one. The same
-        # checkpoint in float32, where rounding is ~1e-6, tells a wrong cache from rounding.
-        control = bridge.float32_control(source, device)
-        if control is None:
-            rounding_note = "the float32 control could not run"
-        elif control.own <= tolerance_for(torch.float32) and (
-            control.reference <= bridge.REFERENCE_TOLERANCES[torch.float32]
-        ):
-            tolerance = max(tolerance, rounding_bound)
-            if reference_tolerance is not None:
-                reference_tolerance = max(reference_tolerance, rounding_bound)
-            rounding_note = (
-                f"within rounding: Hugging Face's own cached generate differs from its uncached "
-                f"forward by {own_rounding:.1e} on this model (bound "
-                f"{bridge.OWN_ROUNDING_FACTOR:g}x that), and in float32 the cached path matches "
-                f"the uncached forward to {control.own:.1e} and Hugging Face's to "
-                f"{control.reference:.1e}"
-            )
-        else:
-            rounding_note = (
-                f"not rounding: in float32 the cached path is off the uncached forward by "
-                f"{control.own:.1e} and Hugging Face's by {control.reference:.1e} (float32 "
-                f"tolerance {tolerance_for(torch.float32):.0e}): the cache is wrong"
-            )
+        reference_tolerance = oracle.reference_bound(dtype, rounding)
     worst = max(runs, key=lambda run: math.inf if math.isnan(run.max_rel_err) else run.max_rel_err)
     cached = sum(run.seconds_cached for run in runs)
     timed_uncached = [run.seconds_uncached for run in runs if run.seconds_uncached is not None]
@@ -418,44 +443,38 @@ def _bridge_check(
         device=device,
         kind="bridge",
         architecture=worst.architecture,
-        tolerance=tolerance,
+        tolerance=bound.value,
+        allowance=bound.basis(),
+        order_rel_err=order,
+        rounding_rel_err=rounding,
+        cached_positions=min(run.cached_positions for run in runs),
         max_rel_err=worst.max_rel_err,
         reference_rel_err=bridge.worst_error(run.reference_rel_err for run in runs),
         reference_tolerance=reference_tolerance,
-        hugging_face_cached_rel_err=own_rounding,
-        rounding=rounding_note,
         generate_ok=True,
-        greedy_agreement=sum(run.agreement for run in runs) / len(runs),
+        greedy_agreement=min(run.top1_agreement for run in runs),
         expected_cache_heads=worst.expected_cache_heads,
         ms_per_token_cached=1000 * cached / tokens,
         ms_per_token_uncached=None if uncached is None else 1000 * uncached / tokens,
         speedup=None if uncached is None else uncached / max(cached, 1e-9),
     )
-    problems = []
-    # Written as "not <=" so that a NaN error fails too.
-    if not worst.max_rel_err <= tolerance:
-        problem = (
-            f"cached generate's logits differ from the bridge's uncached forward by "
-            f"{worst.max_rel_err:.2e} (relative, batch of {worst.batch}), above the "
-            f"{result.dtype} tolerance {tolerance:.1e}"
-        )
-        if floor > tolerance_for(dtype):
-            problem += (
-                f" ({bridge.OWN_ROUNDING_FACTOR:g}x the {own_rounding:.1e} by which Hugging "
-                "Face's own cached generate differs from its uncached forward)"
-            )
-        diagnosis = None if safelens_tl.is_active() else bridge.cache_argument_diagnosis()
-        if rounding_note is not None and diagnosis is None:
-            diagnosis = rounding_note
-        problems.append(f"{problem}: {diagnosis}" if diagnosis else problem)
+    problems = oracle.judge(
+        worst.max_rel_err,
+        bound,
+        result.greedy_agreement,
+        f"cached generate's logits (batch of {worst.batch}) differ from the bridge's uncached "
+        "forward",
+    )
+    diagnosis = None if safelens_tl.is_active() else bridge.cache_argument_diagnosis()
+    if problems and diagnosis:
+        problems[0] = f"{problems[0]}: {diagnosis}"
     reference_bound = result.reference_tolerance
     if reference_bound is not None and not (result.reference_rel_err or 0.0) <= reference_bound:
         problems.append(
             f"cached generate's logits differ from Hugging Face's own uncached forward by "
             f"{result.reference_rel_err:.2e} (relative), above {reference_bound:.1e}"
-            + (f": {rounding_note}" if rounding_note else "")
         )
-    problems.extend(_hf_generate_problems(runs, tolerance))
+    problems.extend(_hf_generate_problems(runs, bound.value))
     hf_errors = [run.hf_generate_rel_err for run in runs if run.hf_generate_rel_err is not None]
     result.hf_generate_rel_err = max(hf_errors, default=None)
     for run in runs:
@@ -482,7 +501,7 @@ def _hf_generate_problems(runs: list[Any], tolerance: float) -> list[str]:
             problems.append(
                 f"hf_generate's cached logits differ from the bridge's uncached forward by "
                 f"{run.hf_generate_rel_err:.2e} (relative, batch of {run.batch}), above "
-                f"{tolerance:.0e}"
+                f"{tolerance:.1e}"
             )
     return problems
 
@@ -541,35 +560,58 @@ def _control(dtypes: Sequence[torch.dtype]) -> dict[str, Any] | None:
     }
 
 
-def builtin_tasks(dtypes: Sequence[torch.dtype], devices: Sequence[str]) -> list[Task]:
+def builtin_tasks(
+    dtypes: Sequence[torch.dtype], devices: Sequence[str], depth: Depth | None = None
+) -> list[Task]:
     """The default run: built-in models where HookedTransformer exists, cache classes, and the
     TransformerBridge models where the release has TransformerBridge."""
     from safelens_tl import targets
 
+    depth = depth or DEFAULT_DEPTH
     tasks: list[Task] = []
     if _has_hooked_transformer():
-        tasks.extend(_builtin_hooked_tasks(dtypes, devices))
+        tasks.extend(_builtin_hooked_tasks(dtypes, devices, depth))
     tasks.extend(_per_dtype_and_device("cache classes (GQA)", _cache_class_check, dtypes, devices))
     if targets.has_bridge():
         from safelens_tl.verify import bridge
 
         for name in bridge.BRIDGE_MODELS:
-            check = functools.partial(_bridge_check, name)  # dtype, device follow
+            check = functools.partial(_bridge_check, name, depth=depth)  # dtype, device follow
             label = bridge_label(name)
             tasks.extend(_per_dtype_and_device(label, check, dtypes, devices))
     return tasks
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch's operations on one CPU thread within this block, then restore the count.
+
+    The built-in models are too small to gain from a second thread: their matrices hold a few
+    thousand numbers, and each operation's hand-off between threads costs more than it saves.
+    On a 2-core CPU shared with other work, ``safelens-tl verify`` took 47-72 s with torch's two
+    threads and 14 s with one (docs/verify.md).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def verify_builtin(
     dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
     devices: Sequence[str] | None = None,
     listener: Listener | None = None,
+    thorough: bool = False,
 ) -> Report:
-    """Check the built-in tiny models (nothing downloaded) in each dtype on each device."""
+    """Check the built-in tiny models (nothing downloaded) in each dtype on each device;
+    ``thorough``: :data:`THOROUGH_DEPTH`."""
     start = time.perf_counter()
     devices = list(devices) if devices is not None else default_devices()
     report = _new_report()
-    report.checks = run_tasks(builtin_tasks(dtypes, devices), listener)
+    with one_thread():
+        report.checks = run_tasks(builtin_tasks(dtypes, devices, depth_for(thorough)), listener)
     if _has_hooked_transformer():
         report.control = _control(dtypes)
     else:
@@ -663,9 +705,10 @@ def verify_pretrained(
     dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
     devices: Sequence[str] | None = None,
     listener: Listener | None = None,
+    thorough: bool = False,
 ) -> Report:
     """Check the model ``name`` (a Hugging Face model name, or a local checkpoint folder) in
-    each dtype on each device.
+    each dtype on each device (``thorough``: :data:`THOROUGH_DEPTH`).
 
     With a ``HookedTransformer`` (TransformerLens 2.x/3.x) it is loaded once and converted to
     each dtype. Without one (4.x), or for a folder it does not take but TransformerBridge boots
@@ -677,6 +720,7 @@ def verify_pretrained(
     from safelens_tl.verify import local_model
 
     start = time.perf_counter()
+    depth = depth_for(thorough)
     problem = local_model.checkpoint_problem(name)
     if problem is not None:
         raise ModelLoadError(problem)
@@ -687,7 +731,7 @@ def verify_pretrained(
         else:
             _require_hub_model(name)
             label = name
-        check = functools.partial(_bridge_check, label, folder=name)
+        check = functools.partial(_bridge_check, label, folder=name, depth=depth)
         report = _new_report()
         report.checks = run_tasks(_per_dtype_and_device(label, check, dtypes, devices), listener)
         report.not_checked.extend(_device_notes(devices))
@@ -701,7 +745,7 @@ def verify_pretrained(
 
             def run(dtype: torch.dtype = dtype, device: str = device) -> CheckResult:
                 # model.to(dtype) updates cfg.dtype as well; .half() would not.
-                return check_hooked(model.to(dtype).to(device), label)
+                return check_hooked(model.to(dtype).to(device), label, depth)
 
             tasks.append(_guarded(label, dtype, device, run))
     report = _new_report()
@@ -711,7 +755,9 @@ def verify_pretrained(
     return report
 
 
-def verify_model(model: Any, name: str | None = None, listener: Listener | None = None) -> Report:
+def verify_model(
+    model: Any, name: str | None = None, listener: Listener | None = None, thorough: bool = False
+) -> Report:
     """Check a ``HookedTransformer`` the caller already has, in its own dtype and on its device.
 
     The model is not converted or moved, and safelens-tl's activation is left as it is (the
@@ -721,7 +767,8 @@ def verify_model(model: Any, name: str | None = None, listener: Listener | None 
     start = time.perf_counter()
     label = name or str(getattr(model.cfg, "model_name", None) or type(model).__name__)
     dtype = model.cfg.dtype if isinstance(model.cfg.dtype, torch.dtype) else torch.float32
-    task = _guarded(label, dtype, _device_text(model), lambda: check_hooked(model, label))
+    depth = depth_for(thorough)
+    task = _guarded(label, dtype, _device_text(model), lambda: check_hooked(model, label, depth))
     report = _new_report()
     report.checks = run_tasks([task], listener)
     trap = diagnostics.half_trap(model)

@@ -1,0 +1,170 @@
+"""The verifier's oracle (:mod:`safelens_tl.verify.oracle`): the allowance, its limits, and what
+the yardstick is made of.
+
+The allowance comes from uncached forwards only (never from a cached path), has a floor per
+dtype and a hard ceiling; a row whose greedy picks collapse fails whatever its error. The
+yardstick itself is an uncached forward that writes no cache: a bug in a cache class cannot move
+it. The teacher-forced HookedTransformer run passes through every storage path of safelens-tl's
+cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import safelens_tl
+from safelens_tl.kv import storage as kv_storage
+from safelens_tl.verify import checks, oracle
+from tests.conftest import requires_bridge, requires_hooked_transformer, tiny_model
+
+
+def test_the_allowance_is_the_floor_twice_the_order_or_the_ceiling() -> None:
+    floor = oracle.FLOORS[torch.bfloat16]
+    assert oracle.allowance(torch.bfloat16, None).value == floor
+    assert oracle.allowance(torch.bfloat16, 0.0).value == floor
+    assert oracle.allowance(torch.bfloat16, 1e-3).value == floor
+    assert oracle.allowance(torch.bfloat16, 2e-2).value == oracle.ORDER_FACTOR * 2e-2
+    assert oracle.allowance(torch.bfloat16, 0.3).value == oracle.CEILING
+    # NaN measurements leave the floor; they never open the bound.
+    assert oracle.allowance(torch.float16, math.nan).value == oracle.FLOORS[torch.float16]
+    # float64 and other dtypes without a floor take float32's.
+    assert oracle.allowance(torch.float64, None).value == oracle.FLOORS[torch.float32]
+
+
+def test_rounding_counts_only_for_a_recurrent_state() -> None:
+    """The dtype's rounding against float32 is far larger than what a cache adds in attention
+    models (the cached and uncached paths share nearly all of their rounding): it must not open
+    their bound."""
+    attention = oracle.allowance(torch.bfloat16, 0.0, rounding=4e-2)
+    state = oracle.allowance(torch.bfloat16, 0.0, rounding=4e-2, recurrent=True)
+    assert attention.value == oracle.FLOORS[torch.bfloat16]
+    assert state.value == oracle.STATE_FACTOR * 4e-2
+    assert "recurrent state" in state.basis() and "floor" in attention.basis()
+
+
+def test_the_reference_bound_is_its_floor_or_twice_the_rounding() -> None:
+    assert oracle.reference_bound(torch.float16, None) == oracle.REFERENCE_FLOORS[torch.float16]
+    assert oracle.reference_bound(torch.bfloat16, 1e-2) == oracle.REFERENCE_FLOORS[torch.bfloat16]
+    assert oracle.reference_bound(torch.bfloat16, 8e-2) == oracle.REFERENCE_FACTOR * 8e-2
+
+
+def test_judge_fails_an_error_over_the_allowance_a_nan_and_a_collapsed_agreement() -> None:
+    bound = oracle.allowance(torch.float16, 1e-3)
+    assert oracle.judge(bound.value, bound, 1.0, "x") == []
+    over = oracle.judge(bound.value * 1.01, bound, 1.0, "cached logits differ")
+    assert len(over) == 1 and over[0].startswith("cached logits differ by ")
+    assert "allowance 2.0e-03 (the float16 floor)" in over[0]
+    assert len(oracle.judge(math.nan, bound, 1.0, "x")) == 1
+    collapsed = oracle.judge(0.0, bound, 0.5, "x")
+    assert len(collapsed) == 1 and "50% of the steps" in collapsed[0]
+    # Above the ceiling fails whatever the order says.
+    wide = oracle.allowance(torch.bfloat16, 1.0)
+    assert wide.value == oracle.CEILING and oracle.judge(0.11, wide, 1.0, "x")
+
+
+def test_relative_error_is_over_the_marked_positions_and_nan_shows() -> None:
+    expected = torch.tensor([[[10.0, 0.0], [1.0, 0.0]]])
+    logits = torch.tensor([[[10.0, 0.0], [3.0, 0.0]]])
+    assert oracle.relative_error(logits, expected) == pytest.approx(0.2)
+    assert oracle.relative_error(logits, expected, torch.tensor([[1, 0]])) == 0.0
+    assert oracle.relative_error(logits, expected, scale=1.0) == pytest.approx(2.0)
+    assert math.isnan(oracle.relative_error(logits * math.nan, expected))
+    assert math.isnan(oracle.worst_error([0.0, math.nan])) and oracle.worst_error([]) == 0.0
+
+
+def test_agreement_counts_equal_top_tokens() -> None:
+    expected = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]])
+    logits = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    assert oracle.agreement(logits, expected) == 0.75
+    assert oracle.agreement(logits, expected, torch.tensor([[1, 0, 1, 1]])) == 1.0
+
+
+def test_the_order_steps_are_spread_and_end_at_the_last() -> None:
+    assert oracle.order_steps(64, 8) == [0, 9, 18, 27, 36, 45, 54, 63]
+    assert oracle.order_steps(5, 8) == [0, 1, 2, 3, 4]
+    assert oracle.order_steps(5, None) == [0, 1, 2, 3, 4]
+    assert oracle.order_steps(5, 1) == [4]
+    assert oracle.order_steps(0, 8) == []
+
+
+@requires_bridge
+def test_the_yardstick_writes_no_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face model's forward builds a cache and writes every layer's keys into it even
+    with nothing cached yet: through the very class a cached step uses. The verifier's uncached
+    forwards (bridge and reference) must not touch it, or a bug there would move the yardstick
+    with the error."""
+    from transformers import cache_utils
+
+    from safelens_tl.verify import bridge
+
+    safelens_tl.activate()
+    model = bridge.boot("llama-like-gqa", torch.float32)
+    reference = bridge.reference_model("llama-like-gqa", torch.float32)
+    tokens = torch.tensor([[1, 5, 6, 7, 8]])
+    mask, positions = torch.ones_like(tokens), torch.arange(5).unsqueeze(0)
+    calls: list[Any] = []
+    real = cache_utils.DynamicLayer.update
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", update)
+    with torch.inference_mode():
+        model(tokens, attention_mask=mask, position_ids=positions, return_type="logits")
+    assert calls, "the forward no longer writes a cache by default: revisit uncached_forward"
+    calls.clear()
+    bridge.uncached_forward(model, tokens, attention_mask=mask, position_ids=positions)
+    bridge.uncached_forward(
+        reference, input_ids=tokens, attention_mask=mask, position_ids=positions
+    )
+    assert calls == []
+
+
+@requires_hooked_transformer
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like-gqa"])
+def test_the_teacher_forced_run_takes_every_storage_path(
+    patched: safelens_tl.activation.Status,
+    allocations: list[kv_storage.KVStorage],
+    name: str,
+) -> None:
+    """The small cache (``torch.cat``) over the prompt, a move into a buffer written in place,
+    and growths of that buffer, over at least 64 cached positions, in both batches: what the
+    verifier's rows claim to cover."""
+    if not kv_storage.in_place_appends():
+        pytest.skip("this torch cannot count a storage's tensors: every cache uses torch.cat")
+    model = tiny_model(name, torch.float16)
+    for batch in checks.BATCHES:
+        allocations.clear()
+        run = checks.teacher_forced(model, batch=batch)
+        assert run.cached_positions >= 64
+        layers = model.cfg.n_layers
+        # One move out of the small cache per layer, then growths: more than one buffer each.
+        assert len(allocations) >= 3 * layers, len(allocations)
+        capacities = sorted({storage.capacity for storage in allocations})
+        # The first buffer holds the prompt, two small steps and the step that moved it, plus a
+        # quarter; the last one every position.
+        assert capacities[0] == (run.prompt_positions + 3) * 5 // 4, capacities
+        assert len(capacities) >= 3 and capacities[-1] >= run.cached_positions + 1
+        for entry in run.cache.entries:
+            assert entry.past_keys.shape[1] == run.cached_positions + 1
+            assert getattr(entry, "_safelens_storage", None) is not None
+
+
+def test_order_leaves_out_a_forward_that_computes_something_else() -> None:
+    """Another order of the same sums moves the logits by rounding; a forward whose top tokens
+    differ from the whole one's on more than a tenth of its positions is not that, and must not
+    widen the allowance."""
+    whole = torch.tensor([[4.0, 0.0], [0.0, 4.0], [4.0, 0.0], [0.0, 4.0]])
+    rounded = whole + 0.01
+    other = whole.flip(-1)  # every top token changed
+    expected = pytest.approx(0.0025, rel=1e-4)
+    assert oracle.order_error([rounded], [whole], 4.0) == expected
+    assert oracle.order_error([rounded, other], [whole, whole], 4.0) == expected
+    assert oracle.order_error([], [], 4.0) == 0.0
+    # NaN logits never widen it either (left out, or NaN, which leaves the floor).
+    assert not oracle.order_error([rounded * math.nan], [whole], 4.0) > 0
