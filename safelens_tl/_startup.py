@@ -20,8 +20,12 @@ import os
 from safelens_tl._import_hooks import cancel as cancel
 from safelens_tl._import_hooks import is_imported, is_waiting, lock, when_imported
 
-#: The only environment variable the hook reads.
+#: The environment variable that turns the hook off.
 ENV_VAR = "SAFELENS_TL_AUTOPATCH"
+#: The environment variable naming fixes to leave out (ids or kinds of change), read at each
+#: activation and handed on as it is: the names are parsed and checked by activation, which
+#: knows the fixes, never here (``safelens_tl.registry.DISABLE_VAR`` is the same name).
+DISABLE_VAR = "SAFELENS_TL_DISABLE"
 #: Values of :data:`ENV_VAR` (case-insensitive, surrounding blanks ignored) that turn the hook off.
 OFF_VALUES = frozenset({"0", "false", "no", "off"})
 #: Values that leave it on (as does an unset variable). Any other value also leaves it on, with a
@@ -35,12 +39,18 @@ DISABLED = "disabled"  # the opt-out was set
 WATCHING = "watching"  # waiting for the first import of transformer_lens
 ACTIVATED = "activated"  # safelens_tl.activate() ran (its own failures are in safelens_tl.status())
 FAILED = "failed"  # auto-activation raised; recorded in safelens_tl.status() and warned
+DEACTIVATED = "deactivated"  # safelens_tl.deactivate() ran before transformer_lens was imported
 
 state = INACTIVE
 
 
 def _setting() -> str:
     return os.environ.get(ENV_VAR, "").strip().lower()
+
+
+def disabled_fixes() -> str:
+    """The value of ``SAFELENS_TL_DISABLE`` now, as it is (empty when unset)."""
+    return os.environ.get(DISABLE_VAR, "")
 
 
 def enabled() -> bool:
@@ -74,6 +84,8 @@ def install() -> str:
     Called by ``safelens_tl.pth`` at start-up; safe to call again. Returns the new :data:`state`.
     """
     global state
+    if state == DEACTIVATED:  # the user said no in this process
+        return state
     if not enabled():
         _disable()
         return state
@@ -97,6 +109,16 @@ def uninstall() -> None:
     cancel(WATCHED, activate_now)
 
 
+def stand_down() -> None:
+    """``safelens_tl.deactivate()`` before ``transformer_lens`` is imported: stop waiting for it,
+    for the rest of this process, so that the import does not undo the user's choice."""
+    global state
+    with lock:
+        if state == WATCHING or is_waiting(WATCHED, activate_now):
+            uninstall()
+            state = DEACTIVATED
+
+
 def activate_now() -> None:
     """Activate safelens-tl; turn any exception into a warning and a ``status()`` entry.
 
@@ -104,6 +126,8 @@ def activate_now() -> None:
     whatever happens here.
     """
     global state
+    if state == DEACTIVATED:
+        return
     if not enabled():  # the opt-out may be set in os.environ after start-up (notebooks)
         _disable()
         return

@@ -48,5 +48,7 @@ def safelens_tl_patches(layout: Layout) -> Iterable[Patch]:  # type: ignore[empt
       time), is caught, reported with a warning and in ``status()``, and the plugin is skipped;
       only ``KeyboardInterrupt`` passes through.
     - A plugin that returns anything but ``Patch`` / ``DeferredPatches`` objects is skipped as a
-      whole; the others, and the built-in fixes, still apply.
+      whole; the others, and the built-in fixes, still apply. A
+      :class:`safelens_tl.plugins.Failure` among them is reported (a warning and a ``status()``
+      entry) and the rest applied: a plugin says so what it cannot patch here.
     """

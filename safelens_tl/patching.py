@@ -32,6 +32,12 @@ class Patch:
     plugin: str = field(default="", compare=False)
     #: Ids of the registry's records (:class:`safelens_tl.registry.Fix`) this patch serves.
     fixes: tuple[str, ...] = field(default=(), compare=False)
+    #: Where several records contribute to this patch: the same patch without the contributions
+    #: of the records given (``None`` when none is left), so that one record's failed
+    #: installation costs only that record.
+    narrowed: Callable[[frozenset[str]], Patch | None] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def labelled(self, plugin: str) -> Patch:
         """This patch, credited to ``plugin`` unless it names its plugin already."""

@@ -30,6 +30,8 @@ class Failure:
     source: str
     stage: str
     message: str
+    #: Ids of the registry's records (:class:`safelens_tl.registry.Fix`) this failure turned off.
+    fixes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.source} ({self.stage}): {self.message}"
@@ -134,6 +136,10 @@ def collect_patches(
         except BaseException as error:
             failures.append(Failure(source, "safelens_tl_patches", _describe(error)))
             continue
+        # A Failure in the answer is reported, and the rest of the answer kept (the built-in
+        # plugins report each fix that cannot be built this way, so it costs that fix alone).
+        failures.extend(item for item in received if isinstance(item, Failure))
+        received = [item for item in received if not isinstance(item, Failure)]
         malformed = [item for item in received if not _is_valid_patch(item)]
         if malformed:
             failures.append(

@@ -193,15 +193,32 @@ def prompts_of(point: dict[str, Any]) -> list[str]:
     return prompts[1:2] if point["input"] == "str" else list(prompts)
 
 
+#: ``to_tokens`` options of each kind of tensor input: padded on the model's side with its BOS
+#: (as a user's own ``to_tokens`` pads them), on the left whatever the model's side, and on the
+#: left without BOS.
+TENSOR_INPUTS: dict[str, dict[str, Any]] = {
+    "tensor": {},
+    "tensor-left": {"padding_side": "left"},
+    "tensor-left-no-bos": {"padding_side": "left", "prepend_bos": False},
+}
+
+
 def given_of(model: Any, point: dict[str, Any]) -> Any:
-    """``generate``'s input: one string, a list, or the tokens padded on the model's side, as a
-    user's own ``to_tokens`` pads them."""
+    """``generate``'s input: one string, a list, or the tokens of the prompts as the kind of
+    tensor input says (:data:`TENSOR_INPUTS`)."""
     prompts = prompts_of(point)
     if point["input"] == "str":
         return prompts[0]
     if point["input"] == "list":
         return prompts
-    return model.to_tokens(prompts)
+    return model.to_tokens(prompts, **TENSOR_INPUTS[point["input"]])
+
+
+def prompt_rows(model: Any, point: dict[str, Any]) -> list[Any]:
+    """Each prompt's tokens alone (``[1, n]``), with BOS where the point's input has one."""
+    bos = TENSOR_INPUTS.get(point["input"], {}).get("prepend_bos")
+    options = {} if bos is None else {"prepend_bos": bos}
+    return [model.to_tokens(prompt, **options) for prompt in prompts_of(point)]
 
 
 def generate_outcome(

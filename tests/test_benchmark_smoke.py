@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import math
 import os
@@ -48,12 +50,24 @@ def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def refusal(script: str, *arguments: str) -> str:
+    """Run ``benchmarks/<script>.py``'s ``main`` here, with arguments it must refuse: it exits 2
+    before measuring anything. Returns what it wrote on stderr. (In this process: a fresh
+    interpreter only to read the arguments costs the import of TransformerLens, seconds.)"""
+    main = benchmark_module(script).main
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_request, contextlib.redirect_stderr(stderr):
+        main(list(arguments))
+    assert exit_request.value.code == 2, stderr.getvalue()
+    return stderr.getvalue()
+
+
 def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     output = tmp_path / "results.json"
     # Every section but the instruction counts, which run under valgrind (the test below).
     sections = "append,step,generate,memory,trace,autocast,bridge"
     done = run_script(
-        "kv_cache.py", "--quick", "--only", sections, "--short-rounds", "6", "--json", str(output)
+        "kv_cache.py", "--quick", "--only", sections, "--short-rounds", "3", "--json", str(output)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "append (batch" in done.stdout and ", ratios" in done.stdout
@@ -70,7 +84,7 @@ def test_quick_benchmark_runs_and_reports_everything(tmp_path: Path) -> None:
     if HAS_HOOKED_TRANSFORMER:
         assert [row["context"] for row in results["generate"]] == ["short", "shortest", "long"]
         assert all(row["stock"] > 0 and row["patched"] > 0 for row in results["generate"])
-        assert [row["rounds"] for row in results["generate"]] == [6, 6, 1]  # long: as it was
+        assert [row["rounds"] for row in results["generate"]] == [3, 3, 1]  # long: as it was
         for row in results["generate"]:
             for median, interval in (
                 (row["paired"], row["paired_interval"]),
@@ -120,9 +134,8 @@ def _assert_cache_bytes_stay_within_the_bound(trace: list[dict[str, Any]]) -> No
 
 
 def test_benchmark_refuses_an_unknown_section() -> None:
-    done = run_script("kv_cache.py", "--quick", "--only", "append,speed")
-    assert done.returncode == 2
-    assert "--only: expected some of append" in done.stderr and "'append,speed'" in done.stderr
+    error = refusal("kv_cache", "--quick", "--only", "append,speed")
+    assert "--only: expected some of append" in error and "'append,speed'" in error
 
 
 @pytest.mark.parametrize(
@@ -138,15 +151,12 @@ def test_benchmark_refuses_an_unknown_section() -> None:
     ],
 )
 def test_benchmark_refuses_a_device_it_cannot_use(device: str, message: str) -> None:
-    done = run_script("kv_cache.py", "--quick", "--only", "append", "--device", device)
-    assert done.returncode == 2
-    assert message in done.stderr
+    assert message in refusal("kv_cache", "--quick", "--only", "append", "--device", device)
 
 
 def test_benchmark_refuses_zero_rounds() -> None:
-    done = run_script("kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "0")
-    assert done.returncode == 2
-    assert "--short-rounds: expected at least 1; received 0" in done.stderr
+    error = refusal("kv_cache", "--quick", "--only", "generate", "--short-rounds", "0")
+    assert "--short-rounds: expected at least 1; received 0" in error
 
 
 @requires_hooked_transformer
@@ -161,14 +171,12 @@ def test_the_short_generations_run_on_the_chosen_model(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     contexts = [row["context"] for row in json.loads(output.read_text())["generate"]]
     assert "short, llama-like-gqa" in contexts and "long" in contexts, contexts
-    refused = run_script("kv_cache.py", "--quick", "--only", "generate", "--short-model", "gpt9")
-    assert refused.returncode == 2 and "--short-model" in refused.stderr
+    assert "--short-model" in refusal("kv_cache", "--quick", "--short-model", "gpt9")
 
 
 def test_benchmark_refuses_zero_processes() -> None:
-    done = run_script("kv_cache.py", "--quick", "--only", "generate", "--processes", "0")
-    assert done.returncode == 2
-    assert "--processes: expected at least 1; received 0" in done.stderr
+    error = refusal("kv_cache", "--quick", "--only", "generate", "--processes", "0")
+    assert "--processes: expected at least 1; received 0" in error
 
 
 @requires_hooked_transformer
@@ -195,34 +203,33 @@ def test_processes_measure_the_short_generations_in_fresh_processes(tmp_path: Pa
 
 @requires_hooked_transformer
 @pytest.mark.parametrize("variant", ["stock", "patched"])
-def test_a_generate_child_runs_one_variant_throughout(variant: str) -> None:
-    """A fresh process of ``--processes`` times every short generation with safelens-tl active
-    throughout (patched) or never (stock): the cache class it ends with tells which."""
-    code = (
-        "import sys; sys.argv[1:] = ['--quick', '--short-rounds', '3', '--generate-child', "
-        f"{variant!r}]; import kv_cache, safelens_tl\n"
-        "seen = []\n"
-        "original = kv_cache.greedy_generate\n"
-        "def spy(model, tokens, new):\n"
-        "    seen.append(safelens_tl.status().active)\n"
-        "    return original(model, tokens, new)\n"
-        "kv_cache.greedy_generate = spy\n"
-        "kv_cache.main(sys.argv[1:])\n"
-        "print(sorted(set(seen)), len(seen))\n"
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAFELENS_TL_AUTOPATCH": "0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    *_, measured, seen = done.stdout.strip().splitlines()
-    rows = json.loads(measured)
+def test_a_generate_child_runs_one_variant_throughout(
+    variant: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process of ``--processes`` (``--generate-child``) times every short generation with
+    safelens-tl active throughout (patched) or never (stock), whatever the state it starts in:
+    here it starts in the other one. (In this process: that ``--processes`` starts the children as
+    fresh processes, the test above shows.)"""
+    kv_cache = benchmark_module("kv_cache")
+    seen: list[bool] = []
+    original = kv_cache.greedy_generate
+
+    def spy(model: Any, tokens: torch.Tensor, new: int) -> Any:
+        seen.append(safelens_tl.status().active)
+        return original(model, tokens, new)
+
+    monkeypatch.setattr(kv_cache, "greedy_generate", spy)
+    if variant == "stock":
+        assert safelens_tl.activate().active
+    else:
+        safelens_tl.deactivate()
+    assert kv_cache.main(["--quick", "--short-rounds", "3", "--generate-child", variant]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [row["context"] for row in rows] == ["short", "shortest"]
     assert all(0 < row["best"] <= row["median"] for row in rows)
     # Warm-ups and rounds of both generations, every one in the same state.
-    warm = benchmark_module("kv_cache").PROCESS_WARM_UPS
-    assert seen == f"[{variant == 'patched'}] {2 * (warm + 3)}"
+    assert seen == [variant == "patched"] * 2 * (kv_cache.PROCESS_WARM_UPS + 3)
+    assert not safelens_tl.status().active  # and it leaves safelens-tl off
 
 
 def _child_rows(context: str, median: float) -> list[dict[str, Any]]:
@@ -454,8 +461,8 @@ def test_bridge_hf_generate_reports_patched_and_stock(tmp_path: Path) -> None:
         assert result["stock"] == "right", result
     else:  # 3.0-3.8 also drop a batch's attention mask in hf_generate
         assert result["stock"] == "right" or result["stock"].startswith("wrong: "), result
-    refused = run_script("bridge_hf_generate.py", "--architectures", "NoSuchForCausalLM")
-    assert refused.returncode == 2 and "unknown ['NoSuchForCausalLM']" in refused.stderr
+    refused = refusal("bridge_hf_generate", "--architectures", "NoSuchForCausalLM")
+    assert "unknown ['NoSuchForCausalLM']" in refused
 
 
 def test_bridge_hf_generate_verdicts() -> None:
@@ -602,9 +609,8 @@ def test_hooked_architectures_says_4x_has_nothing_to_run() -> None:
 
 
 def test_hooked_architectures_refuses_an_unknown_architecture() -> None:
-    done = run_script("hooked_architectures.py", "--architectures", "NoSuchForCausalLM")
-    assert done.returncode == 2
-    assert "NoSuchForCausalLM" in done.stderr
+    error = refusal("hooked_architectures", "--architectures", "NoSuchForCausalLM")
+    assert "NoSuchForCausalLM" in error
 
 
 def test_half_precision_tolerates_greedy_ties_but_not_a_cache_in_another_dtype() -> None:
@@ -668,9 +674,8 @@ def test_bridge_architectures_reads_every_prompt_word_by_word() -> None:
 
 
 def test_bridge_architectures_refuses_an_unknown_architecture() -> None:
-    done = run_script("bridge_architectures.py", "--architectures", "NoSuchForCausalLM")
-    assert done.returncode == 2
-    assert "unknown ['NoSuchForCausalLM']" in done.stderr
+    error = refusal("bridge_architectures", "--architectures", "NoSuchForCausalLM")
+    assert "unknown ['NoSuchForCausalLM']" in error
 
 
 #: The largest a tiny checkpoint may be. Every test run saves each one or more times, two test
@@ -768,8 +773,6 @@ def test_the_patched_generate_launches_no_more_kernels_than_stock() -> None:
 
 
 def test_operation_counts_refuses_a_malformed_shape() -> None:
-    done = run_script("operation_counts.py", "--shape", "1,2")
-    assert done.returncode == 2
     assert "--shape: expected three positive integers PROMPT,NEW,BATCH; received '1,2'" in (
-        done.stderr
+        refusal("operation_counts", "--shape", "1,2")
     )

@@ -169,3 +169,73 @@ def test_the_wrapper_is_installed_exactly_where_generate_uses_no_mask(
     assert (ours in files) == _maskless_release(), files
     # generating_padded_batch looks for the prompts there before binding the arguments.
     assert list(inspect.signature(layer).parameters)[:2] == ["self", "input"]
+
+
+def _generate_probing(
+    model: Any, prompts: list[str], probe: torch.Tensor, cached: bool
+) -> tuple[Any, list[torch.Tensor]]:
+    """``generate``'s result, and the logits of ``probe`` from a forward that a hook runs on the
+    model at the first two steps (not again from inside its own forward)."""
+    logits: list[torch.Tensor] = []
+    running: list[bool] = []
+
+    def run_the_probe(activation: torch.Tensor, hook: Any) -> torch.Tensor:
+        if not running and len(logits) < 2:
+            running.append(True)
+            try:
+                logits.append(model(probe, return_type="logits"))
+            finally:
+                running.pop()
+        return activation
+
+    with model.hooks(fwd_hooks=[(HOOK, run_the_probe)]):
+        result = model.generate(prompts, use_past_kv_cache=cached, **GREEDY)
+    return result, logits
+
+
+#: Two prompts of different lengths, and probes of their batch size: shorter (4) and longer (10)
+#: than the padded prompts (8 tokens with Llama's BOS).
+PROBED_PROMPTS = PROMPTS[:2]
+PROBE_TEXTS = [
+    "the big bird sings in the river and the cat runs",
+    "a dog runs in the big river and the bird sings",
+]
+
+
+@pytest.mark.parametrize("length", [4, 10])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_forward_a_hook_runs_during_a_batch_gets_no_mask_of_the_batch(
+    architecture: str, cached: bool, length: int, patched: safelens_tl.activation.Status
+) -> None:
+    """A hook that runs the model on its own tokens of the batch's size, during the generation
+    of prompts of different lengths, gets what a plain forward of them gives (not the batch's
+    padding mask and positions: a size error for a shorter probe, other logits for a longer
+    one), and the prompts still generate what each does alone."""
+    model = _boot(architecture)
+    probe = model.to_tokens(PROBE_TEXTS)[:, :length]
+    assert probe.shape == (len(PROBED_PROMPTS), length)
+    alone = [
+        model.generate(prompt, use_past_kv_cache=cached, **GREEDY) for prompt in PROBED_PROMPTS
+    ]
+    with torch.no_grad():
+        plain = model(probe, return_type="logits")
+    result, logits = _generate_probing(model, PROBED_PROMPTS, probe, cached)
+    assert len(logits) == 2
+    for found in logits:
+        assert torch.equal(found, plain), float((found - plain).abs().max())
+    assert result == alone
+
+
+@pytest.mark.parametrize("length", [4, 10])
+def test_stock_gives_a_hook_s_forward_what_a_plain_forward_gives(length: int) -> None:
+    """The stock half: the hook's forward during a batched ``generate`` is a plain forward of
+    its tokens, bitwise."""
+    model = _boot()
+    probe = model.to_tokens(PROBE_TEXTS)[:, :length]
+    with torch.no_grad():
+        plain = model(probe, return_type="logits")
+    _, logits = _generate_probing(model, PROBED_PROMPTS, probe, cached=True)
+    assert len(logits) == 2
+    for found in logits:
+        assert torch.equal(found, plain)

@@ -4,8 +4,9 @@ stock, bitwise, with the same view to hooks.
 
 The grid: three kinds of tokenizer (a pad token of its own, a pad token of id 0, and BOS = EOS =
 pad as GPT-2's), learned or rotary positions, the model's padding side, prompts of equal or
-different lengths, a list, one string or a padded tensor, cached or not, greedy or seeded
-sampling, float32 or bfloat16. Tiny models from configs, the tokenizers built offline.
+different lengths, a list, one string or a tensor (padded on the model's side with BOS, on the
+left with BOS, or on the left without), cached or not, greedy or seeded sampling, float32 or
+bfloat16. Tiny models from configs, the tokenizers built offline.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "positions": ("standard", "rotary"),
     "padding_side": ("left", "right"),
     "lengths": ("equal", "different"),
-    "input": ("list", "str", "tensor"),
+    "input": ("list", "str", *differential.TENSOR_INPUTS),
     "cached": ("cached", "uncached"),
     "sampling": ("greedy", "sampled"),
     "dtype": (torch.float32, torch.bfloat16),
@@ -118,7 +119,7 @@ def outcome(point: dict[str, Any], active: bool) -> differential.Outcome:
 def verdict(point: dict[str, Any]) -> differential.Verdict:
     """The rule applied to one grid point."""
     model = model_for(point)
-    prompts = [model.to_tokens(prompt) for prompt in differential.prompts_of(point)]
+    prompts = differential.prompt_rows(model, point)
     if point["input"] == "tensor" and point["padding_side"] == "right":
         # Rows padded on the right go on after their padding in every release (no mask can
         # say otherwise): each row's own forward is the padded row as given.

@@ -2,12 +2,15 @@
 TransformerLens's own masks no padding (2.13 to 3.0.0:
 :mod:`safelens_tl.fixes.hooked.generate_mask`). Real models and the real ``generate``; on releases
 that mask the padding (3.1 and later) the same assertions hold of the original method, which is what
-makes them the reference."""
+makes them the reference, except for tensors that 3.1's mask leaves attending to a pad (padded
+against the tokenizer's side, or GPT-2-style rows without BOS): those tests skip there."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -168,6 +171,156 @@ def test_token_rows_padded_on_the_right_run_as_stock_runs_them(
         safelens_tl.activate()
         model.tokenizer.padding_side = side
     assert ours.tolist() == stock.tolist()
+
+
+def _gpt2_style(padding_side: str) -> Any:
+    """A tiny model whose tokenizer has one token for BOS, EOS and pad (GPT-2's layout), learned
+    positions, BOS prepended by default, padding on ``padding_side``."""
+    from tests.test_differential_hooked import model_for
+
+    point = {
+        "tokenizer": "bos-eos-pad",
+        "positions": "standard",
+        "padding_side": padding_side,
+        "dtype": torch.float32,
+    }
+    return model_for(point)
+
+
+def _fixes_tensors_here() -> None:
+    """Skip where the release's own ``generate`` builds the mask (3.1 on): a tensor's padding is
+    then masked by the tokenizer's side and ``prepend_bos``, as stock masks it, untouched."""
+    if not targets.hooked_generate_masks_no_padding(RELEASE):
+        pytest.skip(f"TransformerLens {RELEASE}'s generate masks a tensor's padding itself")
+
+
+def _rows_against_alone(
+    model: Any, tokens: torch.Tensor, prepend_bos: bool, **options: Any
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``generate`` on ``tokens`` (the prompts' rows) and on each prompt's tokens alone."""
+    options = {"return_type": "tokens", "stop_at_eos": False, **options}
+    batch = _generate(model, tokens, **options)
+    rows = [model.to_tokens(prompt, prepend_bos=prepend_bos) for prompt in PROMPTS]
+    return batch, [_generate(model, row, **options)[0] for row in rows]
+
+
+def _each_row_is_alone(batch: torch.Tensor, alone: list[torch.Tensor]) -> bool:
+    return all(
+        row[-len(single) :].tolist() == single.tolist()
+        for row, single in zip(batch, alone, strict=True)
+    )
+
+
+@contextlib.contextmanager
+def _padding_on_the_right(name: str) -> Iterator[Any]:
+    """The model, its tokenizer padding on the right (HookedTransformer's default side) for the
+    block."""
+    model = _gpt2_style("right") if name == "gpt2-style" else tiny_model(name)
+    side = model.tokenizer.padding_side
+    model.tokenizer.padding_side = "right"
+    try:
+        yield model
+    finally:
+        model.tokenizer.padding_side = side
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+@pytest.mark.parametrize("name", ["llama-like-gqa", "gpt2-style"])
+def test_token_rows_padded_on_the_left_are_masked_whatever_side_the_tokenizer_pads(
+    name: str, cached: bool, patched: safelens_tl.activation.Status
+) -> None:
+    """A tensor padded on the left, the tokenizer padding on the right: the rows' leading pad
+    runs differ and their trailing ones do not, so the padding is on the left, and it is masked
+    (BOS = pad kept where every row starts with it)."""
+    _fixes_tensors_here()
+    with _padding_on_the_right(name) as model:
+        tokens = model.to_tokens(PROMPTS, padding_side="left")
+        assert int(tokens[0, 0]) == model.tokenizer.pad_token_id  # the short row is padded
+        batch, alone = _rows_against_alone(model, tokens, True, use_past_kv_cache=cached)
+    assert _each_row_is_alone(batch, alone), (batch.tolist(), [a.tolist() for a in alone])
+
+
+@pytest.mark.parametrize("name", ["llama-like-gqa", "gpt2-style"])
+def test_stock_attends_to_the_left_padding_of_token_rows_when_the_tokenizer_pads_right(
+    name: str,
+) -> None:
+    """The stock half: 2.13-3.0.0 gives the short row other tokens than its prompt alone."""
+    _fixes_tensors_here()
+    with _padding_on_the_right(name) as model:
+        tokens = model.to_tokens(PROMPTS, padding_side="left")
+        batch, alone = _rows_against_alone(model, tokens, True, use_past_kv_cache=True)
+    assert not _each_row_is_alone(batch, alone)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+def test_gpt2_style_rows_without_bos_have_every_leading_pad_masked(
+    cached: bool, padding_side: str, patched: safelens_tl.activation.Status
+) -> None:
+    """BOS = EOS = pad, rows tokenized without BOS and padded on the left, ``prepend_bos`` left
+    to the model's default (True): a row that starts with a word shows that no BOS was
+    prepended, so the last leading pad is padding too, not a BOS to keep."""
+    _fixes_tensors_here()
+    model = _gpt2_style(padding_side)
+    tokens = model.to_tokens(PROMPTS, padding_side="left", prepend_bos=False)
+    assert int(tokens[1, 0]) != model.tokenizer.pad_token_id  # the long row starts with a word
+    batch, alone = _rows_against_alone(model, tokens, False, use_past_kv_cache=cached)
+    assert _each_row_is_alone(batch, alone), (batch.tolist(), [a.tolist() for a in alone])
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_stock_attends_to_a_pad_of_gpt2_style_rows_without_bos(padding_side: str) -> None:
+    """The stock half: the short row's prompt alone generates other tokens."""
+    _fixes_tensors_here()
+    model = _gpt2_style(padding_side)
+    tokens = model.to_tokens(PROMPTS, padding_side="left", prepend_bos=False)
+    batch, alone = _rows_against_alone(model, tokens, False, use_past_kv_cache=True)
+    assert not _each_row_is_alone(batch, alone)
+
+
+def test_where_the_tensor_cannot_tell_the_tokenizer_s_side_decides(
+    patched: safelens_tl.activation.Status,
+) -> None:
+    """The short prompt ends with EOS = pad: its row's leading and trailing pad runs both
+    differ from the other row's, so either side could hold the padding. The tokenizer pads on
+    the right, and the rows run as stock runs them, bitwise."""
+    model = _gpt2_style("right")
+    eos = model.tokenizer.eos_token
+    prompts = [f"{PROMPTS[0]} {eos}", PROMPTS[1]]
+    tokens = model.to_tokens(prompts, padding_side="left")
+    assert int(tokens[0, -1]) == int(tokens[0, 0]) == model.tokenizer.pad_token_id
+    assert hooked_generate_mask.padded_side(tokens, model.tokenizer.pad_token_id) is None
+    options = {"return_type": "tokens", "stop_at_eos": False, "use_past_kv_cache": True}
+    ours = _generate(model, tokens, **options)
+    safelens_tl.deactivate()
+    try:
+        stock = _generate(model, tokens, **options)
+    finally:
+        safelens_tl.activate()
+    assert ours.tolist() == stock.tolist()
+
+
+P = 0  # the pad token in the rows below
+
+
+@pytest.mark.parametrize(
+    ("rows", "side"),
+    [
+        ([[P, P, 5, 6], [3, 4, 5, 6]], "left"),
+        ([[P, P, P, 6], [P, 4, 5, 6]], "left"),  # BOS = pad at position 0 of every row
+        ([[5, 6, P, P], [3, 4, 5, 6]], "right"),
+        ([[P, 6, P, P], [P, 4, 5, 6]], "right"),  # BOS = pad, padded on the right
+        ([[P, P, 5, P], [3, 4, 5, P]], "left"),  # every prompt ends with EOS = pad
+        ([[P, P, 5, P], [3, 4, 5, 6]], None),  # one prompt ends with EOS = pad
+        ([[P, P, P, P], [3, 4, 5, 6]], None),  # a row of nothing but pads
+        ([[3, 4, 5, 6], [7, 4, 5, 6]], None),  # nothing padded
+        ([[P, 4, 5, 6], [P, 8, 5, 6]], None),  # every row padded alike (or BOS = pad)
+    ],
+)
+def test_the_padded_side_is_read_from_the_rows_where_they_show_it(
+    rows: list[list[int]], side: str | None
+) -> None:
+    assert hooked_generate_mask.padded_side(torch.tensor(rows), P) == side
 
 
 def test_embeddings_of_a_padded_batch_are_each_prompt_s(

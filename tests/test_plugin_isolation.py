@@ -289,15 +289,18 @@ def _environment_reads(tree: ast.AST) -> list[ast.AST]:
     ]
 
 
-def test_startup_hook_reads_only_the_opt_out_variable() -> None:
-    """_startup.py reads the environment in exactly one way: SAFELENS_TL_AUTOPATCH, via ENV_VAR."""
+def test_startup_hook_reads_only_its_two_variables() -> None:
+    """_startup.py reads the environment in exactly two ways: SAFELENS_TL_AUTOPATCH via ENV_VAR
+    and SAFELENS_TL_DISABLE via DISABLE_VAR (a string handed to activation, which only compares
+    its names with the fixes' ids)."""
     tree = ast.parse(Path(_startup.__file__).read_text(encoding="utf-8"))
     assert _startup.ENV_VAR == "SAFELENS_TL_AUTOPATCH"
+    assert _startup.DISABLE_VAR == "SAFELENS_TL_DISABLE"
     reads = _environment_reads(tree)
     assert reads, "expected the opt-out to be read from os.environ"
     parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
     for node in reads:
-        # Allowed shape: os.environ.get(ENV_VAR[, default]) and nothing else.
+        # Allowed shape: os.environ.get(ENV_VAR or DISABLE_VAR[, default]) and nothing else.
         method = parents.get(node)
         call = parents.get(method) if method is not None else None
         assert isinstance(method, ast.Attribute) and method.attr == "get", ast.unparse(
@@ -305,8 +308,8 @@ def test_startup_hook_reads_only_the_opt_out_variable() -> None:
         )
         assert isinstance(call, ast.Call) and call.args, ast.unparse(method)
         key = call.args[0]
-        assert (isinstance(key, ast.Name) and key.id == "ENV_VAR") or (
-            isinstance(key, ast.Constant) and key.value == _startup.ENV_VAR
+        assert (isinstance(key, ast.Name) and key.id in {"ENV_VAR", "DISABLE_VAR"}) or (
+            isinstance(key, ast.Constant) and key.value in {_startup.ENV_VAR, _startup.DISABLE_VAR}
         ), ast.unparse(call)
 
 

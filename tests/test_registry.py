@@ -3,6 +3,7 @@ and docs row, on the installed TransformerLens (real classes, nothing mocked).""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import re
@@ -60,6 +61,12 @@ def test_the_record_is_complete(fix: Fix) -> None:
     for specifiers in fix.affects.values():
         SpecifierSet(specifiers)  # raises on a malformed range
     assert fix.detector in ("release", "feature")
+    # What it changes, from the closed set a user names to turn fixes off.
+    assert fix.changes and set(fix.changes) <= set(registry.CHANGES), fix.changes
+    by_id = {other.id: other for other in FIXES}
+    for required in fix.requires:
+        # Built at the same import, so that a failure or a switch can take this one with it.
+        assert by_id[required].when_imported == fix.when_imported, required
     # One test module per fix, named after it, so that a fix's tests are found by its id.
     assert fix.test_module == f"tests/test_{fix.id}.py", fix.test_module
     assert (REPO / fix.test_module).is_file(), fix.test_module
@@ -129,3 +136,16 @@ def test_the_docs_table_is_generated_from_the_registry() -> None:
     current = DOCS.read_text("utf-8")
     assert registry.BEGIN in current and registry.END in current
     assert registry.render_document(current, FIXES) == current
+
+
+def test_a_record_must_say_what_it_changes() -> None:
+    record = FIXES[0]
+    for wrong in ((), ("forwards",), "forward"):
+        with pytest.raises(ValueError, match="changes must be a tuple of one or more of forward"):
+            dataclasses.replace(record, changes=wrong)
+
+
+def test_the_switch_variable_is_the_one_the_start_up_module_reads() -> None:
+    from safelens_tl import _startup
+
+    assert registry.DISABLE_VAR == _startup.DISABLE_VAR == registry.BY_ENVIRONMENT

@@ -30,6 +30,7 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         "enabled": Child(command=command),
         "opted_out": Child(command=command, env={_startup.ENV_VAR: "0"}),
         "table": Child(command=(str(SCRIPT), "status")),
+        "disabled": Child(command=command, env={_startup.DISABLE_VAR: "hooked_weight_copies"}),
     }
     with started(plan, tmp_path_factory.mktemp("status")) as futures:
         yield futures
@@ -167,3 +168,45 @@ def test_piped_table_keeps_each_class_path_on_one_line(
         # Those wait for the import of the bridge or of Hugging Face's CodeGen.
         if not target.startswith((targets.BRIDGE_MODULE, targets.CODEGEN_MODULE)):
             assert target in completed.stdout, target
+
+
+def test_status_json_shows_a_fix_turned_off_and_by_what(children: Results) -> None:
+    code, report = report_of(children, "disabled")
+    assert code == status_command.EXIT_OK, report["problems"]
+    assert report["hook"]["disable_var"] == _startup.DISABLE_VAR
+    assert report["hook"]["disable_value"] == "hooked_weight_copies"
+    (fix,) = [f for f in report["activation"]["fixes"] if f["id"] == "hooked_weight_copies"]
+    assert (fix["state"], fix["disabled_by"]) == ("disabled", _startup.DISABLE_VAR)
+    assert fix["changes"] == ["forward"]
+    assert report["changes"]["forward"]["disabled"] == ["hooked_weight_copies"]
+    assert "hooked_weight_copies" not in report["changes"]["forward"]["fixes"]
+    others = [f for f in report["activation"]["fixes"] if f["id"] != "hooked_weight_copies"]
+    assert all(f["state"] != "disabled" for f in others)
+
+
+def test_human_output_groups_the_fixes_by_what_they_change_in_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safelens_tl import registry
+
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv(_startup.DISABLE_VAR, "hooked_alibi")
+    status = safelens_tl.activate()
+    status_command.run(argparse.Namespace(json=False))
+    shown = capsys.readouterr().out
+    assert "what it changes here" in shown and "fixes, by what they change" in shown
+    flowing = " ".join(shown.replace("│", " ").split())
+    for words in registry.CHANGES.values():
+        assert words.split(":")[0] + ":" in flowing  # each kind in words (the table folds them)
+    assert "fixes turned off" in shown and "SAFELENS_TL_DISABLE='hooked_alibi'" in shown
+    assert re.search(
+        r"hooked_alibi\s+│ the forward pass\s+│ disabled by SAFELENS_TL_DISABLE", shown
+    )
+    changes = status_command.changes(status.to_dict()["fixes"])
+    installed = {f.id for f in status.fixes if f.state == "installed"}
+    for kind in registry.CHANGES:
+        assert (
+            set(changes[kind]["fixes"])
+            >= {f.id for f in status.fixes if kind in f.changes} & installed
+        )
+    assert changes["forward"]["disabled"] == ["hooked_alibi"]

@@ -13,20 +13,19 @@ from safelens_tl import registry
 from safelens_tl.fixes import HOOKED_FIXES
 from safelens_tl.hookspecs import hookimpl
 from safelens_tl.patching import Patch
+from safelens_tl.plugins import Failure
 from safelens_tl.targets import Layout
 
 SOURCE = "safelens_tl.builtin_plugins.hooked"
 
 
 @hookimpl
-def safelens_tl_patches(layout: Layout) -> list[Patch]:
+def safelens_tl_patches(layout: Layout) -> list[Patch | Failure]:
     """The patches of every HookedTransformer fix that applies to this release: the cache entry,
-    ``generate``'s reservation and step masks, ALiBi and mixture-of-experts layers."""
+    ``generate``'s reservation and step masks, ALiBi and mixture-of-experts layers.
+
+    A fix that cannot be built is a :class:`~safelens_tl.plugins.Failure` among them, naming
+    that fix: reported, and the others installed.
+    """
     context = registry.Context(layout, registry.HOOKED_MODULE, SOURCE)
-    built = list(registry.build(HOOKED_FIXES, context))
-    failures = [item for item in built if not isinstance(item, Patch)]
-    if failures:
-        # The hook can return patches only: a fix that cannot be built fails the plugin, reported
-        # as any plugin's failure.
-        raise RuntimeError("; ".join(str(failure) for failure in failures))
-    return [item for item in built if isinstance(item, Patch)]
+    return list(registry.build(HOOKED_FIXES, context))

@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Safe cached generation for TransformerLens in fp16/bf16.",
     )
     parser.add_argument("--version", action="version", version=f"safelens-tl {__version__}")
-    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Not required=True: argparse would then answer `safelens-tl --bogus` with "the following
+    # arguments are required: COMMAND" and never name --bogus. main() asks for the command once
+    # every argument is known.
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     verify_command.register(subcommands)
     status_command.register(subcommands)
     return parser
@@ -39,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         arguments = parser.parse_args(argv)
+        if arguments.command is None:
+            parser.error("the following arguments are required: COMMAND (verify or status)")
     except SystemExit as exit_request:  # argparse exits 2 on usage errors, 0 on --help
         return int(exit_request.code or 0)
     # Reports give the whole wall time, this process's imports included.

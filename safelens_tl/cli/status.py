@@ -81,6 +81,7 @@ def collect() -> dict[str, Any]:
 
     importable, error = _import_transformer_lens()
     files = hook_files()
+    activation = safelens_tl.status().to_dict()
     return {
         "hook": {
             "installed": bool(files),
@@ -89,15 +90,35 @@ def collect() -> dict[str, Any]:
             "env_value": os.environ.get(_startup.ENV_VAR),
             "enabled": _startup.enabled(),
             "state": _startup.state,
+            "disable_var": _startup.DISABLE_VAR,
+            "disable_value": os.environ.get(_startup.DISABLE_VAR),
         },
         "transformer_lens": {
             "importable": importable,
             "release": targets.installed_release(),
             "error": error,
         },
-        "activation": safelens_tl.status().to_dict(),
+        "activation": activation,
+        "changes": changes(activation["fixes"]),
         "cache": {"in_place_appends": _in_place_appends()},
     }
+
+
+def changes(fixes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What the fixes change here, by kind (:data:`safelens_tl.registry.CHANGES`): the kind in
+    words, the fixes that change it (installed, or waiting for their module's import), and
+    those of that kind turned off."""
+    from safelens_tl import registry
+
+    found = {}
+    for kind, words in registry.CHANGES.items():
+        ours = [fix for fix in fixes if kind in fix["changes"]]
+        found[kind] = {
+            "words": words,
+            "fixes": [fix["id"] for fix in ours if fix["state"] in ("installed", "pending")],
+            "disabled": [fix["id"] for fix in ours if fix["state"] == "disabled"],
+        }
+    return found
 
 
 def _in_place_appends() -> bool:
@@ -164,12 +185,15 @@ def render(report: dict[str, Any]) -> None:
     shown = "unset" if setting is None else repr(setting)
     table.add_row("hook enabled", f"{_yes_no(hook['enabled'])} ({hook['env_var']}={escape(shown)})")
     table.add_row("hook in this process", hook["state"])
+    turned_off = hook["disable_value"]
+    shown = "unset" if turned_off is None else repr(turned_off)
+    table.add_row("fixes turned off", f"{hook['disable_var']}={escape(shown)}")
     release = tl["release"] or "not installed"
     table.add_row("TransformerLens", f"{escape(release)}, importable: {_yes_no(tl['importable'])}")
     table.add_row("layout", escape(activation["layout"] or "-"))
     table.add_row("active", _yes_no(activation["active"]))
     table.add_row("plugins", escape(", ".join(activation["plugins"]) or "-"))
-    table.add_row("patched", escape("\n".join(activation["patched"]) or "nothing"))
+    table.add_row("patched attributes", escape("\n".join(activation["patched"]) or "nothing"))
     table.add_row("in-place appends", _in_place_text(report["cache"]["in_place_appends"]))
     if activation["pending"]:
         # TransformerLens imports these lazily; their patches apply at that first import.
@@ -179,6 +203,8 @@ def render(report: dict[str, Any]) -> None:
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 200)
     console.print(table)
     if activation.get("fixes"):
+        if activation["active"]:
+            console.print(_changes_table(report["changes"]))
         console.print(_fixes_table(activation["fixes"]))
     for note in activation["notes"]:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
@@ -187,23 +213,69 @@ def render(report: dict[str, Any]) -> None:
 
 
 #: How each state of a fix is coloured in the table.
-_STATE_STYLES = {"installed": "green", "pending": "cyan", "failed": "red", "not applicable": "dim"}
+_STATE_STYLES = {
+    "installed": "green",
+    "pending": "cyan",
+    "failed": "red",
+    "not applicable": "dim",
+    "disabled": "magenta",
+}
 
 
-def _fixes_table(fixes: list[dict[str, Any]]) -> Any:
-    """Every fix of the registry: installed, pending on an import, failed, or not needed here."""
+def _label(words: str) -> str:
+    """The name of a kind of change: its words up to the colon (``the forward pass``)."""
+    return words.split(":")[0]
+
+
+def _changes_table(found: dict[str, dict[str, Any]]) -> Any:
+    """What safelens-tl changes here, one row per kind of change, in words."""
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="fixes", title_justify="left")
+    table = Table(
+        title="what it changes here (fixes installed, or at the import they wait for)",
+        title_justify="left",
+    )
+    table.add_column("what", style="bold")
+    table.add_column("by which fixes", overflow="fold")
+    table.add_column("turned off", overflow="fold")
+    for kind in found.values():
+        table.add_row(
+            escape(kind["words"]),
+            escape(", ".join(kind["fixes"]) or "nothing"),
+            escape(", ".join(kind["disabled"]) or "-"),
+        )
+    return table
+
+
+def _fixes_table(fixes: list[dict[str, Any]]) -> Any:
+    """Every fix of the registry, grouped by the first thing it changes: installed, pending on
+    an import, disabled (and by what), failed, or not needed here."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from safelens_tl import registry
+
+    table = Table(title="fixes, by what they change", title_justify="left")
     table.add_column("fix", style="bold")
+    table.add_column("changes")
     table.add_column("state")
     table.add_column("why", overflow="fold")
-    for fix in fixes:
-        style = _STATE_STYLES.get(fix["state"], "yellow")
-        table.add_row(
-            fix["id"], f"[{style}]{escape(fix['state'])}[/{style}]", escape(fix["reason"])
-        )
+    for kind, words in registry.CHANGES.items():
+        group = [fix for fix in fixes if fix["changes"][:1] == [kind]]
+        if not group:
+            continue
+        table.add_section()
+        table.add_row(f"[italic]{escape(_label(words))}[/italic]", "", "", "")
+        for fix in group:
+            style = _STATE_STYLES.get(fix["state"], "yellow")
+            state = escape(fix["state"])
+            if fix["disabled_by"]:
+                state += f" by {escape(fix['disabled_by'])}"
+            kinds = ", ".join(_label(registry.CHANGES[k]) for k in fix["changes"])
+            table.add_row(
+                fix["id"], escape(kinds), f"[{style}]{state}[/{style}]", escape(fix["reason"])
+            )
     return table
 
 

@@ -2,8 +2,8 @@
 
 Usage errors (a bad ``--dtype`` or ``--device``, a model that cannot be loaded, a ``--json`` path
 that cannot be written) print one line on stderr and exit 2, before any check runs where possible.
-What can be judged from the text alone is judged before torch is imported (seconds, on a laptop):
-a typo answers at once.
+What can be judged from the text alone, and a ``--model`` path from its files, is judged before
+torch and TransformerLens are imported (seconds, on a laptop): a typo answers at once.
 """
 
 from __future__ import annotations
@@ -192,6 +192,14 @@ def run(arguments: argparse.Namespace) -> int:
             report_module.check_writable(arguments.json)
     except (UsageError, report_module.ReportPathError) as error:
         return _usage_error(str(error))
+    if arguments.model:
+        # Then a --model path, from its files alone: a mistyped folder answers at once, not after
+        # importing torch and TransformerLens (seconds).
+        from safelens_tl.verify import local_model
+
+        problem = local_model.checkpoint_problem(arguments.model)
+        if problem is not None:
+            return _usage_error(problem)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

@@ -28,9 +28,13 @@ import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# No torch at import: the command checks a --model path (checkpoint_problem) before it imports
+# torch and TransformerLens.
 
 #: Words TransformerLens's config conversion looks for in a model's name (case-insensitive): with
 #: one of them in the path it picks a configuration by name and ignores the folder's config.

@@ -83,5 +83,6 @@ FIX = Fix(
     applies=applies,
     patches=_patches,
     test_module="tests/test_bridge_attention_mask.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -346,5 +346,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_cache.py",
+    changes=("cache", "forward"),
     when_imported=(targets.BRIDGE_MODULE,),
 )

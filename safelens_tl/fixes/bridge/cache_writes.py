@@ -124,5 +124,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_cache_writes.py",
+    changes=("cache", "forward"),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -184,6 +184,7 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_codegen.py",
+    changes=("forward",),
     # Importing Hugging Face's CodeGen costs about 0.3 s, paid only by those who load CodeGen.
     when_imported=(targets.BRIDGE_MODULE, targets.CODEGEN_MODULE),
 )

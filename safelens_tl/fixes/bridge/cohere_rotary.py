@@ -109,5 +109,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_cohere_rotary.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -137,5 +137,6 @@ FIX = Fix(
     applies=lambda context: (True, "TransformerBridge converts through to and _apply"),
     patches=_patches,
     test_module="tests/test_bridge_conversion.py",
+    changes=("conversion",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

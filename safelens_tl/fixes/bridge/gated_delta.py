@@ -100,5 +100,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_gated_delta.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -12,8 +12,10 @@ Where ``generate``'s code never names an attention mask, a call with two or more
 whose token counts differ runs as 3.8 runs it, inside the release's own loop: the prompts are
 tokenized one by one (each as it is tokenized alone) and padded on the left into **one batch, in
 the order given**, and each of the loop's calls into the model gets the mask of that padding
-(ones after it) and the positions it implies. Hooks see the batch the user passed: its size, its
-row order, one forward per step. Texts come back as the texts of each prompt; tokens and logits
+(ones after it) and the positions it implies. A forward that a hook runs from inside one of those
+calls (the model on the hook's own tokens) is not the loop's and gets none of them: it is what a
+plain forward of its tokens gives. Hooks see the batch the user passed: its size, its row order,
+one forward per step. Texts come back as the texts of each prompt; tokens and logits
 as 3.8 returns them (left-padded rows).
 
 Where that cannot be done (an encoder-decoder or state-space model, media, or a model whose
@@ -28,7 +30,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +87,24 @@ _generating: ContextVar[PaddedBatch | None] = ContextVar(
 )
 
 
-def mask_the_step(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def mask_the_step(
+    model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Token[PaddedBatch | None] | None:
     """Give a call of ``TransformerBridge.forward`` (``kwargs``, changed in place) the mask and
     positions of its batch's padding, when a marked ``generate`` of ``model`` makes it on that
-    batch and passes no mask of its own; every other call is left as it is."""
+    batch and passes no mask of its own; every other call is left as it is.
+
+    Inside a marked ``generate`` the loop's own calls are the only forwards that start outside
+    another forward: anything a call starts before it returns (a hook running the model on its
+    own tokens) is not the loop's. So the mark is lifted for the call's duration, and the token
+    returned must be handed to :func:`end_of_step` once the call is done (``None``: outside a
+    marked ``generate``, nothing to hand back)."""
     state = _generating.get()
-    if state is None or state.model is not model or kwargs.get("attention_mask") is not None:
-        return
+    if state is None:
+        return None
+    marker = _generating.set(None)
+    if state.model is not model or kwargs.get("attention_mask") is not None:
+        return marker
     tokens = args[0] if args else kwargs.get("input")
     if (
         not isinstance(tokens, torch.Tensor)
@@ -99,10 +112,16 @@ def mask_the_step(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         or tokens.is_floating_point()
         or tokens.shape[0] != state.prompt_mask.shape[0]
     ):
-        return
+        return marker
     cached = any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS)
     for name, value in state.step_arguments(tokens, cached).items():
         kwargs.setdefault(name, value)
+    return marker
+
+
+def end_of_step(marker: Token[PaddedBatch | None]) -> None:
+    """Put back the mark :func:`mask_the_step` lifted for a call (``marker``: what it returned)."""
+    _generating.reset(marker)
 
 
 def _takes_position_ids(model: Any) -> bool:
@@ -208,6 +227,8 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_generate_batch.py",
+    changes=("generate", "forward"),
+    requires=("bridge_model_call",),
     when_imported=(targets.BRIDGE_MODULE,),
     fixed_in="3.8.0",
 )

@@ -107,6 +107,7 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_hf_generate_mask.py",
+    changes=("generate",),
     when_imported=(targets.BRIDGE_MODULE,),
     fixed_in="3.9.0",
 )

@@ -70,5 +70,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_hybrid_cache.py",
+    changes=("cache",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

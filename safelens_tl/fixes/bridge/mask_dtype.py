@@ -91,5 +91,6 @@ FIX = Fix(
     applies=applies,
     patches=_patches,
     test_module="tests/test_bridge_mask_dtype.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -49,7 +49,12 @@ def adapting_model_call(
             bridge_positions.add_positions_from_cache_position(args, kwargs, type(model))
             bridge_mrope_positions.fit_step_positions(model)
             bridge_uncached_media.restore_media(args, kwargs)
-            bridge_generate_batch.mask_the_step(self, args, kwargs)
+            step = bridge_generate_batch.mask_the_step(self, args, kwargs)
+            if step is not None:
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    bridge_generate_batch.end_of_step(step)
         return original(self, *args, **kwargs)
 
     return forward
@@ -88,5 +93,6 @@ FIX = Fix(
     applies=lambda context: (True, "TransformerBridge calls the model with its own arguments"),
     patches=_patches,
     test_module="tests/test_bridge_model_call.py",
+    changes=("forward", "cache"),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -101,5 +101,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_rotary_dtype.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -132,5 +132,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_state_mask.py",
+    changes=("forward",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

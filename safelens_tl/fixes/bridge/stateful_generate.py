@@ -174,5 +174,6 @@ FIX = Fix(
     applies=lambda context: (True, "TransformerBridge hands uncached state-space runs on"),
     patches=_patches,
     test_module="tests/test_bridge_stateful_generate.py",
+    changes=("generate",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -197,5 +197,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_bridge_t5_legacy_block.py",
+    changes=("cache", "forward"),
     when_imported=(targets.BRIDGE_MODULE,),
 )

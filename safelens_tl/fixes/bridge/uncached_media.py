@@ -154,5 +154,7 @@ FIX = Fix(
     applies=lambda context: (True, "TransformerBridge.generate passes media once"),
     patches=_patches,
     test_module="tests/test_bridge_uncached_media.py",
+    changes=("generate", "forward"),
+    requires=("bridge_model_call",),
     when_imported=(targets.BRIDGE_MODULE,),
 )

@@ -98,4 +98,5 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_alibi.py",
+    changes=("forward",),
 )

@@ -23,9 +23,19 @@ prompts' mask as 3.1 does and marks the model in a :class:`~contextvars.ContextV
   as tokens (texts still come back as texts); its mask counts each prompt's own tokens
   (:func:`safelens_tl.fixes._prompt_batches.mask_from_lengths`), so a BOS that is also the pad token
   (GPT-2's tokenizer) is never taken for padding;
-- a tensor of two or more token rows, when the tokenizer pads on the left, gets the mask of each
-  row's leading padding. Rows padded on the right go on after their padding, which 3.1's mask
-  does not make right either, so they run as stock runs them.
+- a tensor of two or more token rows padded on the left gets the mask of each row's leading
+  padding, whichever side the tokenizer pads (HookedTransformer's default is the right). The side
+  is read from the tensor where it shows it (:func:`padded_side`: the rows' leading pad runs
+  differ in length and their trailing ones do not), and from the tokenizer's ``padding_side``
+  only where it cannot tell: the pad token is also EOS and some prompts end with it, a row is
+  nothing but pads, or every row is padded alike. A BOS that is the pad token (GPT-2's) is kept
+  where ``prepend_bos`` says one was prepended and every row starts with the pad token, which the
+  tensor cannot tell from padding; a row that starts with another token shows that none was, and
+  every leading pad is then masked (:func:`left_padding_mask`). Rows padded on the right go on
+  after their padding, which 3.1's mask does not make right either, so they run as stock runs
+  them. (3.1 to 3.9 mask a tensor by the tokenizer's side and ``prepend_bos`` alone: there a
+  tensor padded against the tokenizer's side, or GPT-2-style rows without BOS, still attend to a
+  pad; this fix does not apply to them.)
 
 :func:`masked_step_residual` and :func:`masked_step_forward` then give ``generate``'s own
 ``get_residual`` and ``forward`` calls that mask. Where nothing is padded, only a model that
@@ -113,22 +123,67 @@ def loses_positions(model: Any) -> bool:
     return getattr(getattr(model, "tokenizer", None), "pad_token_id", None) == 0
 
 
+def padded_side(tokens: torch.Tensor, pad: int) -> str | None:
+    """The side the rows of ``tokens`` (``[batch, n]``) are padded on, as the tensor itself
+    shows it: ``"left"`` where the rows' leading runs of ``pad`` differ in length and their
+    trailing runs do not, ``"right"`` the other way round, ``None`` where it cannot tell.
+
+    A padding side is the same for every row, so only the side whose runs differ can hold the
+    padding. The tensor cannot tell where both differ (the pad token is also EOS and a prompt
+    ends with it, or a row is nothing but pads) or neither does (nothing padded, or every row
+    padded alike, BOS = pad at position 0 included).
+    """
+    is_pad = tokens.eq(pad)
+    # Each row's leading run, then each row's trailing run: the length of the first run of ones.
+    runs = torch.cat((is_pad, is_pad.flip(-1))).to(torch.uint8).cumprod(-1).sum(-1)
+    low, high = runs.view(2, -1).aminmax(dim=-1)
+    leading_differ, trailing_differ = (high > low).tolist()
+    if leading_differ == trailing_differ:
+        return None
+    return "left" if leading_differ else "right"
+
+
 def left_padding_mask(tokens: torch.Tensor, tokenizer: Any, prepend_bos: bool) -> torch.Tensor:
     """The mask of ``tokens`` padded on the left: 0 for each row's leading pad tokens, 1 after;
     where BOS is the pad token and was prepended, the last leading one is that BOS (1).
 
     What ``transformer_lens.utils.get_attention_mask`` computes for a tokenizer that pads on the
     left, without setting the shared tokenizer's ``padding_side`` for a list (3.1 sets and
-    restores it, which another thread using the tokenizer would see).
+    restores it, which another thread using the tokenizer would see), except where the tensor
+    shows that no BOS was prepended: a row that starts with another token than the pad token
+    would start with BOS = pad if one had been, so then every leading pad token is padding (the
+    rows of ``to_tokens(..., prepend_bos=False)`` with GPT-2's tokenizer, ``prepend_bos`` left to
+    the model's default). Where every row starts with the pad token, the tensor cannot tell a
+    BOS from padding and ``prepend_bos`` decides, as in 3.1.
     """
     pad = tokenizer.pad_token_id
     leading = torch.cumsum(tokens.ne(pad), dim=-1) == 0
     mask = torch.ones_like(tokens)
     mask[leading] = 0
     if prepend_bos and tokenizer.bos_token_id == pad:
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        mask[rows, leading.sum(-1) - 1] = 1
+        counts = leading.sum(-1)
+        if bool(counts.min() > 0):
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            mask[rows, counts - 1] = 1
     return mask
+
+
+def rows_padding_mask(
+    tokens: torch.Tensor, tokenizer: Any, prepend_bos: bool
+) -> torch.Tensor | None:
+    """The padding mask of a tensor of token rows, or ``None`` to run it as stock runs it.
+
+    The side the rows are padded on is read from the tensor (:func:`padded_side`), and from the
+    tokenizer's ``padding_side`` only where the tensor cannot tell. Rows padded on the left get
+    :func:`left_padding_mask`. Rows padded on the right go on after their padding, masked (3.1)
+    or not (stock): wrong either way, so they are left as stock runs them.
+    """
+    side = padded_side(tokens, tokenizer.pad_token_id)
+    if side is None:
+        side = tokenizer.padding_side
+    if side != "left":
+        return None
+    return left_padding_mask(tokens, tokenizer, prepend_bos)
 
 
 def _prepend_bos(model: Any, given: Any) -> bool:
@@ -166,10 +221,9 @@ def _prompts_mask(
             return None
         tokens = model.to_tokens(given, prepend_bos=prepend_bos, padding_side="left")
         return tokens, prompts_mask(model, given, tokens, prepend_bos)
-    if isinstance(given, torch.Tensor) and tokenizer.padding_side == "left":
-        # Rows padded on the right go on after their padding, masked (3.1) or not (stock): wrong
-        # either way, so they are left as stock runs them.
-        return given, left_padding_mask(given, tokenizer, _prepend_bos(model, prepend_bos))
+    if isinstance(given, torch.Tensor):
+        mask = rows_padding_mask(given, tokenizer, _prepend_bos(model, prepend_bos))
+        return None if mask is None else (given, mask)
     return None
 
 
@@ -318,6 +372,7 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_generate_mask.py",
+    changes=("generate", "forward"),
     detector="release",
     upstream="https://github.com/TransformerLensOrg/TransformerLens/issues/1005",
     fixed_in="3.1.0",

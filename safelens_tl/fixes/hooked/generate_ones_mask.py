@@ -129,5 +129,6 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_generate_ones_mask.py",
+    changes=("generate", "forward"),
     detector="release",
 )

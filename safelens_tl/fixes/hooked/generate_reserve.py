@@ -227,4 +227,5 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_generate_reserve.py",
+    changes=("generate", "cache"),
 )

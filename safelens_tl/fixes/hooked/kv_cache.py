@@ -44,4 +44,5 @@ FIX = Fix(
     applies=lambda context: (True, "every release's KV-cache entry"),
     patches=_patches,
     test_module="tests/test_kv_cache.py",
+    changes=("cache",),
 )

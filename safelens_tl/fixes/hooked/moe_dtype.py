@@ -50,4 +50,5 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_moe_dtype.py",
+    changes=("conversion",),
 )

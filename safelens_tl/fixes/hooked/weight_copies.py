@@ -485,4 +485,5 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_weight_copies.py",
+    changes=("forward",),
 )

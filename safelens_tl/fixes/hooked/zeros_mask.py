@@ -139,6 +139,7 @@ FIX = Fix(
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_zeros_mask.py",
+    changes=("generate", "forward"),
     detector="release",
     fixed_in="3.1.0",
 )
