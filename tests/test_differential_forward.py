@@ -18,7 +18,7 @@ import copy
 import gc
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -110,7 +110,9 @@ def recorded_forward(net: Any, given: torch.Tensor, backward: bool) -> dict[str,
     }
 
 
-def float64_error(name: str, dtype: torch.dtype, given: torch.Tensor, logits: torch.Tensor) -> float:
+def float64_error(
+    name: str, dtype: torch.dtype, given: torch.Tensor, logits: torch.Tensor
+) -> float:
     """The largest difference of ``logits`` from the same model's float64 forward (stock)."""
     reference = copy.deepcopy(model(name, dtype)).to(torch.float64)
     safelens_tl.deactivate()
@@ -161,7 +163,7 @@ def test_one_row_in_float32_is_no_further_from_float64_than_stock_allows(name: s
         stock, patched = stock_then_patched(lambda: torch.cat([net(row) for row in given.split(1)]))
     stock_error = float((stock.double() - exact).abs().max())
     patched_error = float((patched.double() - exact).abs().max())
-    assert 0 < stock_error and patched_error <= 3 * stock_error, (patched_error, stock_error)
+    assert stock_error > 0 and patched_error <= 3 * stock_error, (patched_error, stock_error)
     assert not torch.equal(stock, patched)  # else the in-place path did not run
 
 
@@ -259,7 +261,7 @@ class Tracked(torch.Tensor):
     """A ``__torch_function__`` subclass that counts the functions it takes part in (as
     tracking, fake quantization or noise injection does)."""
 
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
 
     @classmethod
     def __torch_function__(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from safelens_tl.patching import passing_errors_through
 from safelens_tl.registry import Context, PatchBuilder, Wrap, Wrapper
 
 #: ``marking(generate_with, original, steps)``: a ``generate`` that runs ``generate_with`` and
@@ -47,8 +48,10 @@ class StepMethods:
     ``generate`` would: an instance attribute of the model's own, else the class's method.
     """
 
-    def __init__(self, residual: Wrapper, forward: Wrapper) -> None:
+    def __init__(self, residual: Wrapper, forward: Wrapper, fix: str) -> None:
         self.wrappers = {"get_residual": residual, "forward": forward}
+        #: The fix the wrappers belong to, named in a note on an error raised through them.
+        self.fixes = (fix,)
         self._lock = threading.Lock()
         self._models: dict[int, _Installed] = {}
 
@@ -72,12 +75,15 @@ class StepMethods:
                 entry.before[name] = own.get(name, _ABSENT)
                 current = getattr(model, name)  # bound: the instance's own or the class's
 
-                def call_current(_self: Any, *args: Any, _current: Any = current, **kwargs: Any) -> Any:
+                def call_current(
+                    _self: Any, *args: Any, _current: Any = current, **kwargs: Any
+                ) -> Any:
                     return _current(*args, **kwargs)
 
                 call_current.__name__ = name
                 call_current.__qualname__ = f"{type(model).__qualname__}.{name}"
-                bound = types.MethodType(wrapper(call_current), model)
+                wrapped = passing_errors_through(wrapper(call_current), self.fixes)
+                bound = types.MethodType(wrapped, model)
                 entry.ours[name] = bound
                 own[name] = bound
 
@@ -107,11 +113,11 @@ class StepMethods:
 _ABSENT = object()
 
 
-def step_wraps(marking: Marking, residual: Wrapper, forward: Wrapper) -> PatchBuilder:
-    """A record's ``patches``: ``generate`` wrapped by ``marking(inner, original, steps)``
-    (presented as the original ``generate``), where ``steps`` puts ``residual`` and ``forward``
-    on the model for the calls that need them."""
-    steps = StepMethods(residual, forward)
+def step_wraps(marking: Marking, residual: Wrapper, forward: Wrapper, fix: str) -> PatchBuilder:
+    """A record's ``patches`` (the record ``fix``): ``generate`` wrapped by ``marking(inner,
+    original, steps)`` (presented as the original ``generate``), where ``steps`` puts
+    ``residual`` and ``forward`` on the model for the calls that need them."""
+    steps = StepMethods(residual, forward, fix)
 
     def patches(context: Context) -> list[Wrap]:
         model = context.layout.model_class()

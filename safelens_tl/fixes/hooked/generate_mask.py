@@ -360,7 +360,9 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} builds generate's step mask from zeros"
 
 
-_patches = step_wraps(masking_generate, masked_step_residual, masked_step_forward)
+_patches = step_wraps(
+    masking_generate, masked_step_residual, masked_step_forward, "hooked_generate_mask"
+)
 
 
 FIX = Fix(

@@ -117,7 +117,9 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} passes an all-ones mask at every step"
 
 
-_patches = step_wraps(marking_generate, recording_residual, unmasked_forward)
+_patches = step_wraps(
+    marking_generate, recording_residual, unmasked_forward, "hooked_generate_ones_mask"
+)
 
 
 FIX = Fix(

@@ -203,9 +203,9 @@ def _compiling_check() -> Callable[[], bool]:
 #: ``torch.compile`` and ``torch.export`` tracing a forward: checked first, so that the tracer
 #: takes the release's code without reading (and guarding on) anything else of the call.
 _is_compiling = _compiling_check()
-_dispatch_stack_depth: Callable[[], int] = getattr(
-    torch._C, "_len_torch_dispatch_stack", lambda: 0
-)
+#: ``torch.jit.trace`` tracing a forward.
+_jit_tracing: Callable[[], bool] = torch._C._is_tracing
+_dispatch_stack_depth: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 def _infrastructure_mode_active() -> bool:
@@ -253,7 +253,7 @@ def reads_in_place(
             return False
         if recording and weight.requires_grad:
             return False
-    return not torch.jit.is_tracing() and not _infrastructure_mode_active()
+    return not _jit_tracing() and not _infrastructure_mode_active()
 
 
 def in_place_projection(input: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -422,6 +422,7 @@ def patches() -> list[Patch]:
     attention = targets.optional_module(targets.HOOKED_ATTENTION_LINEAR_MODULE)
     original = None if attention is None else attention.__dict__.get("simple_attn_linear")
     if callable(original) and copies_weight(original):
+        projection = projection_reading_in_place(original)
         # The attention modules imported the function by name: each binding is replaced.
         for module_name in (
             targets.HOOKED_ATTENTION_LINEAR_MODULE,
@@ -432,9 +433,7 @@ def patches() -> list[Patch]:
                 isinstance(module, ModuleType)
                 and module.__dict__.get("simple_attn_linear") is original
             ):
-                found.append(
-                    Patch(module, "simple_attn_linear", projection_reading_in_place(original))
-                )
+                found.append(Patch(module, "simple_attn_linear", projection))
     for dotted, (digest, replacement) in _KNOWN_SOURCES.items():
         owner = targets.optional_class(dotted)
         forward = None if owner is None else owner.__dict__.get("forward")
@@ -481,7 +480,8 @@ FIX = Fix(
     symptom="HookedTransformer forwards copy every weight matrix at every call (3-4x slower "
     "generate than Hugging Face)",
     affects=frozen({"transformer-lens": ">=2.0,<4"}),
-    remedy="gated MLP, unembed and attention read their weights in place (no copy, no cache)",
+    remedy="float32 forwards without gradients read the weights in place where that costs "
+    "less (no copy, no cache); everything else runs the release's code",
     applies=_applies,
     patches=_patches,
     test_module="tests/test_hooked_weight_copies.py",
