@@ -1,5 +1,8 @@
 """The patched-against-stock guard's machinery: a seeded sample of a grid of ``generate`` calls,
-each run stock and patched on one model, and the rule every result must keep.
+each run stock and patched on one model, and the rule every result must keep; and what the
+forward half of the guard (``tests/test_differential_forward.py``: every way a forward is run,
+compiled, exported, fake, subclassed, with gradients) measures, peak memory and the ATen
+operations run.
 
 **The rule.** Patched gives stock's result bitwise, and shows hooks the same batch shapes in
 the same order, unless stock is wrong in that configuration and patched is right; even then,

@@ -187,18 +187,18 @@ def compiled_graphs(net: Any, given: torch.Tensor) -> tuple[list[str], torch.Ten
     return graphs, logits
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_torch_compile_fullgraph_traces_stock_s_graph(name: str) -> None:
-    net, given = model(name, torch.float32), tokens("few")
+def test_torch_compile_fullgraph_traces_stock_s_graph() -> None:
+    """The Llama-like model: every replaced forward is in it (gated MLP, grouped-query and
+    output projections, unembed)."""
+    net, given = model("llama-like-gqa", torch.float32), tokens("few")
     stock, patched = stock_then_patched(lambda: compiled_graphs(net, given))
     assert len(stock[0]) == 1
     assert patched[0] == stock[0]
     assert torch.equal(patched[1], stock[1])
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_torch_export_gives_stock_s_program(name: str) -> None:
-    net, given = model(name, torch.float32), tokens("few")
+def test_torch_export_gives_stock_s_program() -> None:
+    net, given = model("llama-like-gqa", torch.float32), tokens("few")
 
     def exported() -> tuple[str, torch.Tensor]:
         program = torch.export.export(net, (given,))
