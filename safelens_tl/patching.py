@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from types import ModuleType
+from typing import Any
 
 
 class _Missing:
@@ -102,3 +106,56 @@ def uninstall(installed: InstalledPatch) -> object:
     else:
         setattr(patch.owner, patch.attribute, installed.original)
     return MISSING if current is patch.replacement else current
+
+
+#: This package's folder: a frame whose file lies in it is safelens-tl's own code.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def note_origin(error: BaseException, fixes: tuple[str, ...]) -> None:
+    """Add to ``error`` (once) a note saying where it was raised: in TransformerLens or another
+    library, which safelens-tl's wrappers (``fixes``) only passed through, or in safelens-tl's own
+    code, with the switch that leaves those fixes out. Python 3.10 has no notes: nothing then."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None or getattr(error, "__safelens_tl_noted__", False):
+        return
+    traceback = error.__traceback__
+    if traceback is None:
+        return
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    origin = traceback.tb_frame.f_code.co_filename
+    named = ", ".join(fixes) or "safelens-tl"
+    if os.path.abspath(origin).startswith(_PACKAGE):
+        add_note(
+            f"safelens-tl: raised in safelens-tl's own code ({named}); "
+            f"SAFELENS_TL_DISABLE={','.join(fixes) or 'forward,generate,cache,conversion'} runs "
+            f"without it. Please report it with this traceback."
+        )
+    else:
+        module = traceback.tb_frame.f_globals.get("__name__", origin)
+        add_note(
+            f"safelens-tl: raised in {module} (line {traceback.tb_lineno}); the safelens_tl frames "
+            f"above ({named}) only passed the call through. SAFELENS_TL_AUTOPATCH=0 runs without "
+            f"safelens-tl."
+        )
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        error.__safelens_tl_noted__ = True  # type: ignore[attr-defined]
+
+
+def passing_errors_through(
+    function: Callable[..., Any], fixes: tuple[str, ...]
+) -> Callable[..., Any]:
+    """``function``, whose errors get :func:`note_origin`'s note. Its frame is hidden from
+    IPython's and pytest's tracebacks (``__tracebackhide__``)."""
+
+    @functools.wraps(function)
+    def passing(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            note_origin(error, fixes)
+            raise
+
+    return passing

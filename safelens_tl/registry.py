@@ -25,6 +25,7 @@ TransformerLens locations of :mod:`safelens_tl.targets`.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from types import MappingProxyType, ModuleType
 from typing import Any
 
 from safelens_tl import targets
-from safelens_tl.patching import Patch
+from safelens_tl.patching import Patch, passing_errors_through
 from safelens_tl.plugins import Failure
 
 #: What a wrapper contributed to an attribute does to the method it wraps.
@@ -473,17 +474,23 @@ def _composed_patch(
         kept = [(fix, wrap) for fix, wrap in contributions if fix.id not in failed]
         return _composed_patch(owner, name, method, kept) if kept else None
 
-    replacement = composed(method, *(wrap.wrapper for _, wrap in contributions))
+    replacement = composed(method, *(wrap.wrapper for _, wrap in contributions), fixes=ids)
     return Patch(owner, name, replacement, fixes=ids, narrowed=narrowed if len(ids) > 1 else None)
 
 
-def composed(original: Callable[..., Any], *wrappers: Wrapper) -> Callable[..., Any]:
-    """``original`` wrapped by each of ``wrappers``, the first outermost. Its ``__wrapped__`` is
-    ``original`` itself, as a single wrapper's is: what the patch replaced, one step away."""
+def composed(
+    original: Callable[..., Any], *wrappers: Wrapper, fixes: tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    """``original`` wrapped by each of ``wrappers``, the first outermost, and by
+    :func:`~safelens_tl.patching.passing_errors_through` (an error raised below says where it came
+    from). Its ``__wrapped__`` is ``original`` itself, as a single wrapper's is: what the patch
+    replaced, one step away."""
     result = original
     for wrap in reversed(wrappers):
         result = wrap(result)
     if result is not original:
+        if inspect.isfunction(result):
+            result = passing_errors_through(result, fixes)
         result.__wrapped__ = original  # type: ignore[attr-defined]
     return result
 

@@ -113,6 +113,19 @@ def weights_read_in_place() -> Iterator[None]:
             patching.uninstall(record)
 
 
+def fixes_patching(owner: Any, attribute: str) -> tuple[str, ...]:
+    """The ids of the fixes whose installed patch stands on ``owner.<attribute>`` now (none:
+    nothing of safelens-tl's is there)."""
+    from safelens_tl import activation
+
+    with activation._state.lock:
+        for installed in activation._state.installed:
+            patch = installed.patch
+            if patch.owner is owner and patch.attribute == attribute:
+                return patch.fixes
+    return ()
+
+
 #: ``benchmarks/``: scripts, not a package.
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -1,5 +1,8 @@
 """The patched-against-stock guard's machinery: a seeded sample of a grid of ``generate`` calls,
-each run stock and patched on one model, and the rule every result must keep.
+each run stock and patched on one model, and the rule every result must keep; and what the
+forward half of the guard (``tests/test_differential_forward.py``: every way a forward is run,
+compiled, exported, fake, subclassed, with gradients) measures, peak memory and the ATen
+operations run.
 
 **The rule.** Patched gives stock's result bitwise, and shows hooks the same batch shapes in
 the same order, unless stock is wrong in that configuration and patched is right; even then,
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import safelens_tl
 
@@ -251,3 +255,44 @@ def uncached_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model's uncached forward of one unpadded row: every position attended to (a generated
     pad token too, as ``generate`` attends to it), positions counted from 0."""
     return lambda tokens: model(tokens, attention_mask=torch.ones_like(tokens))
+
+
+def peak_bytes(call: Callable[[], Any]) -> tuple[Any, int]:
+    """``call()``'s result and the most CPU memory it held at once, counted by torch's profiler
+    from every allocation and free (those inside ATen kernels too): deterministic for the same
+    code and shapes, whatever else the machine is doing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = call()
+    held = peak = 0
+    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
+        # An operator's own allocations net of its frees; "[memory]" events are the rest.
+        if event.name == "[memory]":
+            held += event.cpu_memory_usage
+        else:
+            held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return result, peak
+
+
+class OperationRecorder(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
+    """Every ATen operation a call runs, below autograd, with its inputs' shapes and dtypes: two
+    calls that record the same list do the same work."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.operations: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        shapes = tuple(
+            (tuple(arg.shape), arg.dtype) for arg in args if isinstance(arg, torch.Tensor)
+        )
+        self.operations.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))

@@ -776,3 +776,25 @@ def test_operation_counts_refuses_a_malformed_shape() -> None:
     assert "--shape: expected three positive integers PROMPT,NEW,BATCH; received '1,2'" in (
         refusal("operation_counts", "--shape", "1,2")
     )
+
+
+@requires_hooked_transformer
+def test_forward_in_place_prints_both_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The crossover and forward sections, on tiny shapes and the built-in tiny Llama (the
+    folder given holds no checkpoint)."""
+    main = benchmark_module("forward_in_place").main
+    assert main(["--quick", "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "## crossover" in out and "## forward" in out
+    crossover = [line for line in out.splitlines() if line.startswith("| 64 ")]
+    assert len(crossover) == 6  # projection and linear, three dtypes
+    forward = [line for line in out.splitlines() if line.startswith("| tiny Llama |")]
+    # float32 and bfloat16, two shapes, forward and forward + backward
+    assert len(forward) == 8, out
+    assert all(line.count("x |") == 1 for line in forward)
+
+
+def test_forward_in_place_refuses_an_unknown_section() -> None:
+    assert "unknown section ['bogus']" in refusal("forward_in_place", "--section", "bogus")

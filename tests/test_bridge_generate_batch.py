@@ -17,7 +17,7 @@ import safelens_tl
 from safelens_tl import targets
 from safelens_tl.fixes.bridge import generate_batch as bridge_generate_batch
 from safelens_tl.fixes.bridge import hf_generate_mask as bridge_hf_generate_mask
-from tests.conftest import architecture_folder, benchmark_module, requires_bridge
+from tests.conftest import architecture_folder, benchmark_module, fixes_patching, requires_bridge
 
 pytestmark = requires_bridge
 
@@ -158,15 +158,11 @@ def test_a_batch_that_cannot_be_masked_runs_as_stock_with_a_warning(
 def test_the_wrapper_is_installed_exactly_where_generate_uses_no_mask(
     patched: safelens_tl.activation.Status,
 ) -> None:
-    """Each layer of the patched ``generate`` is told apart by the file of its code
-    (``functools.wraps`` copies the names)."""
-    layer = targets.locate_bridge().bridge_class.__dict__["generate"]
-    files = [layer.__code__.co_filename]
-    while hasattr(layer, "__wrapped__"):
-        layer = layer.__wrapped__
-        files.append(layer.__code__.co_filename)
-    ours = bridge_generate_batch.__file__
-    assert (ours in files) == _maskless_release(), files
+    """The fix's patch stands on ``generate`` exactly where the release's needs it."""
+    bridge_class = targets.locate_bridge().bridge_class
+    fixes = fixes_patching(bridge_class, "generate")
+    assert ("bridge_generate_batch" in fixes) == _maskless_release(), fixes
+    layer = inspect.unwrap(bridge_class.__dict__["generate"])
     # generating_padded_batch looks for the prompts there before binding the arguments.
     assert list(inspect.signature(layer).parameters)[:2] == ["self", "input"]
 

@@ -14,11 +14,11 @@ import torch
 
 import safelens_tl
 from safelens_tl import targets
-from safelens_tl.fixes.hooked import generate_ones_mask as hooked_generate_ones_mask
 from safelens_tl.verify import checks
 from tests.conftest import (
     LAYOUT,
     RELEASE,
+    fixes_patching,
     generate_recording,
     requires_hooked_transformer,
     tiny_model,
@@ -134,10 +134,10 @@ def test_the_wrappers_are_installed_exactly_on_those_releases(
     model_class = LAYOUT.model_class()
     assert model_class is not None
     expected = targets.hooked_generate_passes_its_mask(RELEASE)
-    for name in ("generate", "get_residual", "forward"):
-        method = model_class.__dict__[name]
-        here = method.__code__.co_filename == hooked_generate_ones_mask.__file__
-        assert here == expected, name
+    assert ("hooked_generate_ones_mask" in fixes_patching(model_class, "generate")) == expected
+    # get_residual and forward are wrapped on the model, only while its generate runs.
+    for name in ("get_residual", "forward"):
+        assert fixes_patching(model_class, name) == (), name
     source = inspect.getsource(inspect.unwrap(model_class.__dict__["generate"]))
     assert ("attention_mask=attention_mask," in source.split("self.forward(")[-1]) == expected
 

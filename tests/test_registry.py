@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import re
+import traceback
 from importlib import metadata
 from pathlib import Path
 
@@ -149,3 +150,70 @@ def test_the_switch_variable_is_the_one_the_start_up_module_reads() -> None:
     from safelens_tl import _startup
 
     assert registry.DISABLE_VAR == _startup.DISABLE_VAR == registry.BY_ENVIRONMENT
+
+
+def _raise_value_error(*args: object, **kwargs: object) -> None:
+    raise ValueError("the wrapped library said no")
+
+
+def test_an_error_raised_below_a_wrapper_says_where_it_was_raised() -> None:
+    """A wrapper that only passes a call through leaves a note: the error came from the code it
+    wrapped, not from safelens-tl; its own frame is hidden from IPython and pytest."""
+
+    def passing(original: object) -> object:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            return original(*args, **kwargs)  # type: ignore[operator]
+
+        return wrapper
+
+    replacement = registry.composed(_raise_value_error, passing, fixes=("some_fix",))
+    with pytest.raises(ValueError, match="said no") as raised:
+        replacement()
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1, notes
+    assert f"raised in {__name__}" in notes[0]
+    assert "(some_fix) only passed the call through" in notes[0]
+    frames = [frame for frame, _ in traceback.walk_tb(raised.value.__traceback__)]
+    assert any(frame.f_locals.get("__tracebackhide__") for frame in frames)
+    # Raised again through a second wrapper: still one note.
+    outer = registry.composed(replacement, passing, fixes=("other_fix",))
+    with pytest.raises(ValueError) as again:
+        outer()
+    assert len(again.value.__notes__) == 1
+
+
+def test_an_error_raised_in_safelens_own_code_says_so_and_how_to_leave_it_out() -> None:
+    def failing(original: object) -> object:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            return patching.install(None)  # type: ignore[arg-type]  # AttributeError in there
+
+        return wrapper
+
+    # The error is raised in safelens_tl/patching.py, one of the package's own files.
+    replacement = registry.composed(_raise_value_error, failing, fixes=("some_fix",))
+    with pytest.raises(AttributeError) as raised:
+        replacement()
+    (note,) = raised.value.__notes__
+    assert "safelens-tl's own code (some_fix)" in note and "SAFELENS_TL_DISABLE=some_fix" in note
+
+
+@pytest.mark.skipif(not LAYOUT.known.has_hooked_transformer, reason="no HookedTransformer here")
+def test_a_transformer_lens_error_in_generate_names_transformer_lens() -> None:
+    """A ``generate`` TransformerLens refuses (token input and no tokenizer) raises stock's
+    error, with a note that TransformerLens raised it through safelens-tl's wrappers."""
+    import torch
+
+    from safelens_tl.verify import models
+
+    model = models.build_model("gpt2-like", torch.float32)
+    model.tokenizer = None
+    tokens = torch.tensor([[5, 6, 7]])
+    with pytest.raises(AssertionError) as stock:
+        model.generate(tokens, max_new_tokens=2, verbose=False)
+    safelens_tl.activate()
+    with pytest.raises(AssertionError) as patched:
+        model.generate(tokens, max_new_tokens=2, verbose=False)
+    assert str(patched.value) == str(stock.value)
+    assert not getattr(stock.value, "__notes__", None)
+    (note,) = patched.value.__notes__
+    assert note.startswith("safelens-tl: raised in transformer_lens.HookedTransformer")

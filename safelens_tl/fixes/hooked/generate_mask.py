@@ -57,7 +57,11 @@ import torch
 
 from safelens_tl import targets
 from safelens_tl.fixes._prompt_batches import RETURNS_TEXT, mask_from_lengths
-from safelens_tl.fixes.hooked._generate_steps import is_generates_residual_call, step_wraps
+from safelens_tl.fixes.hooked._generate_steps import (
+    StepMethods,
+    is_generates_residual_call,
+    step_wraps,
+)
 from safelens_tl.registry import Context, Fix, frozen
 
 #: The ``positional_embedding_type`` values ``get_residual`` takes from the mask.
@@ -258,14 +262,18 @@ def _batch_call(
 
 
 def masking_generate(
-    generate_with: Callable[..., Any], original: Callable[..., Any] | None = None
+    generate_with: Callable[..., Any],
+    original: Callable[..., Any] | None,
+    steps: StepMethods,
 ) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` of a release that builds its step mask from zeros (see
     the module docstring): a padded batch is masked as 3.1 masks it, and learned positions are
     kept where the pad token id is 0.
 
     ``generate_with`` generates (``generate`` or a wrapper of it); the result presents itself as
-    ``original`` (by default ``generate_with``), so that a patch always wraps the original itself.
+    ``original`` (``None``: ``generate_with``), so that a patch always wraps the original itself.
+    ``steps`` puts :func:`masked_step_residual` and :func:`masked_step_forward` on the model for a
+    call that masks anything.
     """
     presented = generate_with if original is None else original
     signature = inspect.signature(presented)
@@ -285,7 +293,8 @@ def masking_generate(
             return generate_with(self, *args, **kwargs)
         token = _generating.set(state)
         try:
-            return generate_with(self, *args, **kwargs)
+            with steps.installed(self):
+                return generate_with(self, *args, **kwargs)
         finally:
             _generating.reset(token)
 
@@ -351,7 +360,9 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} builds generate's step mask from zeros"
 
 
-_patches = step_wraps(masking_generate, masked_step_residual, masked_step_forward)
+_patches = step_wraps(
+    masking_generate, masked_step_residual, masked_step_forward, "hooked_generate_mask"
+)
 
 
 FIX = Fix(

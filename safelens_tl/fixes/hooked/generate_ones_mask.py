@@ -29,7 +29,11 @@ from typing import Any
 import torch
 
 from safelens_tl import targets
-from safelens_tl.fixes.hooked._generate_steps import is_generates_residual_call, step_wraps
+from safelens_tl.fixes.hooked._generate_steps import (
+    StepMethods,
+    is_generates_residual_call,
+    step_wraps,
+)
 from safelens_tl.registry import Context, Fix, frozen
 
 
@@ -50,20 +54,22 @@ _generating: ContextVar[Generating | None] = ContextVar(
 
 
 def marking_generate(
-    generate: Callable[..., Any], original: Callable[..., Any] | None = None
+    generate: Callable[..., Any], original: Callable[..., Any] | None, steps: StepMethods
 ) -> Callable[..., Any]:
     """Wrap ``HookedTransformer.generate`` so that its steps' ``get_residual`` and ``forward``
-    calls know they are its own.
+    calls know they are its own: ``steps`` puts :func:`recording_residual` and
+    :func:`unmasked_forward` on the model for the call.
 
     ``generate`` generates (``generate`` or a wrapper of it); the result presents itself as
-    ``original`` (by default ``generate``), so that a patch always wraps the original itself.
+    ``original`` (``None``: ``generate``), so that a patch always wraps the original itself.
     """
 
     @functools.wraps(generate if original is None else original)
     def marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         token = _generating.set(Generating(self))
         try:
-            return generate(self, *args, **kwargs)
+            with steps.installed(self):
+                return generate(self, *args, **kwargs)
         finally:
             _generating.reset(token)
 
@@ -111,7 +117,9 @@ def _applies(context: Context) -> tuple[bool, str]:
     return True, f"TransformerLens {context.release} passes an all-ones mask at every step"
 
 
-_patches = step_wraps(marking_generate, recording_residual, unmasked_forward)
+_patches = step_wraps(
+    marking_generate, recording_residual, unmasked_forward, "hooked_generate_ones_mask"
+)
 
 
 FIX = Fix(

@@ -1,0 +1,264 @@
+"""HookedTransformer forward passes with safelens-tl against stock: where reading the weights in
+place pays (``safelens_tl.fixes.hooked.weight_copies``), and that it costs nothing elsewhere.
+
+Two sections, each a table of stock / patched ratios (above 1: patched is faster):
+
+* ``crossover``: one query/key/value projection (``simple_attn_linear``) and one linear layer
+  (an MLP's ``F.linear(x, W.T.contiguous())``), the release's copy-and-product against the
+  in-place product, by dtype and rows (batch x positions). These are the figures behind
+  ``PROJECTION_MAX_ROWS`` and ``IN_PLACE_DTYPES``: the in-place forms are called directly here,
+  whatever the fix would choose.
+* ``forward``: whole-model forwards, stock and safelens-tl alternating in one process (the same
+  machine load for both), float32 and bfloat16, a decoding step's rows and batched prompts,
+  without gradients and forward + backward; each with its peak memory (torch's profiler counts
+  every allocation: deterministic). The model is SmolLM2-135M converted by
+  ``generate_vs_hf.py`` where that checkpoint exists (``--checkpoint``), else the built-in tiny
+  Llama.
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 SAFELENS_TL_AUTOPATCH=0 \\
+        python benchmarks/forward_in_place.py [--section crossover,forward] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.nn.functional as F
+
+#: (d_model, heads) of the crossover section: SmolLM2-135M's and a 2048-wide model's.
+WIDTHS: tuple[tuple[int, int], ...] = ((576, 9), (2048, 16))
+CROSSOVER_ROWS: tuple[int, ...] = (1, 4, 16, 64, 256, 512, 1024, 2048)
+DTYPES = ("float32", "bfloat16", "float16")
+#: (label, batch, positions) of the forward section.
+FORWARD_SHAPES: tuple[tuple[str, int, int], ...] = (
+    ("1 x 1", 1, 1),
+    ("4 x 16", 4, 16),
+    ("32 x 32", 32, 32),
+)
+
+
+def median_ratio(first: Callable[[], Any], second: Callable[[], Any], rounds: int) -> float:
+    """The median over ``rounds`` of ``first``'s time / ``second``'s, alternating which runs
+    first; each time is the mean of enough calls to last about 20 ms."""
+    first(), second()  # warm-up
+    start = time.perf_counter()
+    first()
+    calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-6)))
+
+    def timed(call: Callable[[], Any]) -> float:
+        begin = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - begin) / calls
+
+    ratios = []
+    for round_ in range(rounds):
+        if round_ % 2:
+            b, a = timed(second), timed(first)
+        else:
+            a, b = timed(first), timed(second)
+        ratios.append(a / b)
+    return statistics.median(ratios)
+
+
+def crossover(rounds: int) -> list[dict[str, Any]]:
+    """Stock / in-place time of one projection and one linear layer, by dtype and rows."""
+    import einops  # type: ignore[import-not-found]  # TransformerLens's dependency
+
+    from safelens_tl.fixes.hooked import weight_copies
+
+    def stock_projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # TransformerLens 2.x/3.x utilities.attention.simple_attn_linear
+        flat = einops.rearrange(w, "head_index d_model d_head -> (head_index d_head) d_model")
+        bias = einops.rearrange(b, "head_index d_head -> (head_index d_head)")
+        return F.linear(x, flat, bias).reshape(x.shape[0], x.shape[1], b.shape[0], b.shape[1])
+
+    rows_found = []
+    with torch.no_grad():
+        for d_model, heads in WIDTHS:
+            for dtype_name in DTYPES:
+                dtype = getattr(torch, dtype_name)
+                w = torch.randn(heads, d_model, d_model // heads, dtype=dtype)
+                b = torch.randn(heads, d_model // heads, dtype=dtype)
+                mlp = torch.randn(d_model, 4 * d_model, dtype=dtype)  # [d_model, d_mlp]
+                for rows in CROSSOVER_ROWS:
+                    x = torch.randn(1, rows, d_model, dtype=dtype)
+                    projection = median_ratio(
+                        functools.partial(stock_projection, x, w, b),
+                        functools.partial(weight_copies.in_place_projection, x, w, b),
+                        rounds,
+                    )
+                    linear = median_ratio(
+                        functools.partial(F.linear, x, mlp.T.contiguous()),
+                        functools.partial(F.linear, x, mlp.T),
+                        rounds,
+                    )
+                    rows_found.append(
+                        {
+                            "d_model": d_model,
+                            "dtype": dtype_name,
+                            "rows": rows,
+                            "projection": projection,
+                            "linear": linear,
+                        }
+                    )
+                    print(
+                        f"  crossover d_model {d_model} {dtype_name:8} rows {rows:5}: "
+                        f"projection {projection:.2f}x, linear {linear:.2f}x",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    return rows_found
+
+
+def load_model(checkpoint: str | None, dtype: torch.dtype) -> tuple[str, Any]:
+    """SmolLM2-135M from ``generate_vs_hf.py``'s checkpoint, else the built-in tiny Llama."""
+    import generate_vs_hf
+
+    folder = Path(checkpoint) if checkpoint else generate_vs_hf.default_checkpoint_dir()
+    if (folder / "config.json").is_file():
+        model = generate_vs_hf.load_tl("hooked", folder, dtype)
+        name = "SmolLM2-135M"
+    else:
+        from safelens_tl.verify import models
+
+        model = models.build_model("llama-like-gqa", dtype)
+        name = "tiny Llama"
+    model.tokenizer = None  # a forward of tokens needs none
+    return name, model
+
+
+def peak_bytes(call: Callable[[], Any]) -> int:
+    """The most CPU memory ``call()`` held at once (torch's profiler, every allocation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        call()
+    held = peak = 0
+    for event in sorted(profiler.events(), key=lambda event: event.time_range.start):
+        held += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def one_pass(model: Any, tokens: torch.Tensor, backward: bool, active: bool) -> None:
+    """One forward (and backward) of ``model``, with safelens-tl active or stock."""
+    import safelens_tl
+
+    if active:
+        safelens_tl.activate()
+    else:
+        safelens_tl.deactivate()
+    try:
+        if backward:
+            model.zero_grad(set_to_none=True)
+            model(tokens).float().mean().backward()
+        else:
+            with torch.no_grad():
+                model(tokens)
+    finally:
+        safelens_tl.deactivate()
+
+
+def forward_section(checkpoint: str | None, rounds: int) -> list[dict[str, Any]]:
+    """Whole-model forwards, stock against safelens-tl, alternating in one process."""
+    found = []
+    for dtype_name in ("float32", "bfloat16"):
+        name, model = load_model(checkpoint, getattr(torch, dtype_name))
+        for label, batch, positions in FORWARD_SHAPES:
+            generator = torch.Generator().manual_seed(0)
+            tokens = torch.randint(
+                10, int(model.cfg.d_vocab), (batch, positions), generator=generator
+            )
+            for backward in (False, True):
+                if backward and batch * positions > 256:
+                    continue  # a minute per round on a CPU; both run the release's code anyway
+
+                stock = functools.partial(one_pass, model, tokens, backward, False)
+                patched = functools.partial(one_pass, model, tokens, backward, True)
+                ratio = median_ratio(stock, patched, rounds)
+                model.zero_grad(set_to_none=True)
+                stock_peak = peak_bytes(stock)
+                model.zero_grad(set_to_none=True)
+                patched_peak = peak_bytes(patched)
+                model.zero_grad(set_to_none=True)
+                row = {
+                    "model": name,
+                    "dtype": dtype_name,
+                    "shape": label,
+                    "pass": "forward + backward" if backward else "forward",
+                    "ratio": ratio,
+                    "stock MB": stock_peak / 2**20,
+                    "patched MB": patched_peak / 2**20,
+                }
+                found.append(row)
+                print(f"  forward {row}", file=sys.stderr, flush=True)
+    return found
+
+
+def print_tables(crossover_rows: list[dict[str, Any]], forward_rows: list[dict[str, Any]]) -> None:
+    if crossover_rows:
+        print("\n## crossover: stock time / in-place time (above 1: in place is faster)\n")
+        print("| d_model | dtype | " + " | ".join(f"{r} rows" for r in CROSSOVER_ROWS) + " |")
+        print("|---|---|" + "---|" * len(CROSSOVER_ROWS))
+        for d_model, _ in WIDTHS:
+            for dtype_name in DTYPES:
+                for kind in ("projection", "linear"):
+                    cells = [
+                        f"{row[kind]:.2f}"
+                        for row in crossover_rows
+                        if row["d_model"] == d_model and row["dtype"] == dtype_name
+                    ]
+                    print(f"| {d_model} {kind} | {dtype_name} | " + " | ".join(cells) + " |")
+    if forward_rows:
+        print("\n## forward: stock time / safelens-tl time, and peak memory\n")
+        print(
+            "| model | dtype | batch x positions | pass | stock / patched "
+            "| peak MB stock | peak MB patched |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for row in forward_rows:
+            print(
+                f"| {row['model']} | {row['dtype']} | {row['shape']} | {row['pass']} | "
+                f"{row['ratio']:.2f}x | {row['stock MB']:.1f} | {row['patched MB']:.1f} |"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections and print their tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", default="crossover,forward", help="crossover, forward")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per ratio")
+    parser.add_argument("--checkpoint", help="a converted checkpoint folder (generate_vs_hf.py)")
+    parser.add_argument(
+        "--quick", action="store_true", help="seconds: tiny shapes, one round (a smoke test)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        global WIDTHS, CROSSOVER_ROWS, FORWARD_SHAPES
+        WIDTHS, CROSSOVER_ROWS = ((64, 4),), (1, 64)
+        FORWARD_SHAPES = (("1 x 1", 1, 1), ("2 x 8", 2, 8))
+        args.rounds = 1
+    sections = {name.strip() for name in args.section.split(",")}
+    unknown = sections - {"crossover", "forward"}
+    if unknown:
+        parser.error(f"unknown section {sorted(unknown)}; choose from crossover, forward")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    crossover_rows = crossover(args.rounds) if "crossover" in sections else []
+    forward_rows = forward_section(args.checkpoint, args.rounds) if "forward" in sections else []
+    print_tables(crossover_rows, forward_rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
