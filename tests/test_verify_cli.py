@@ -51,6 +51,10 @@ def _environment(
     return environment
 
 
+#: ``verify(json_path=STDOUT)``: ``--json`` alone, the report read from the child's stdout.
+STDOUT = Path("-")
+
+
 def verify(
     *arguments: str,
     json_path: Path | None = None,
@@ -64,7 +68,9 @@ def verify(
     Hub cache (``HF_HUB_CACHE``).
     """
     command = [sys.executable, "-m", "safelens_tl", "verify", *arguments]
-    if json_path is not None:
+    if json_path == STDOUT:
+        command += ["--json"]
+    elif json_path is not None:
         command += ["--json", str(json_path)]
     done = subprocess.run(
         command,
@@ -75,7 +81,9 @@ def verify(
         env=_environment(quiet_warnings, scratch, hub_cache),
     )
     report = None
-    if json_path is not None and json_path.is_file():
+    if json_path == STDOUT:
+        report = json.loads(done.stdout) if done.returncode in (0, 1) else None
+    elif json_path is not None and json_path.is_file():
         report = json.loads(json_path.read_text(encoding="utf-8"))
     return Run(done.returncode, done.stdout, done.stderr, report)
 
@@ -109,9 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, scratch: Path) -> dict[str, F
         ),
     }
     checkpoint = _local_checkpoint(folder / "my-llama-checkpoint")
-    started["folder"] = pool.submit(
-        verify, "--model", str(checkpoint), json_path=folder / "folder.json"
-    )
+    started["folder"] = pool.submit(verify, "--model", str(checkpoint), json_path=STDOUT)
     if RELEASE == "3.0.0" or BRIDGE_BROKEN:
         started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
     pool.shutdown(wait=False)
@@ -326,7 +332,9 @@ def test_a_local_checkpoint_folder_is_verified(runs: dict[str, Future[Run]]) -> 
     TransformerBridge where there is no HookedTransformer (4.x)."""
     run = runs["folder"].result()
     assert run.code == 0, run.stdout + run.stderr
+    # --json alone: stdout is the JSON report and nothing else; the verdict is on stderr.
     assert run.report is not None and run.report["passed"]
+    assert "PASSED" in run.stderr and "PASSED" not in run.stdout
     kinds = {check["kind"] for check in run.report["checks"]}
     assert kinds == ({"generate"} if HAS_HOOKED_TRANSFORMER else {"bridge"})
     for check in run.report["checks"]:
@@ -344,3 +352,91 @@ def test_an_unsupported_checkpoint_architecture_is_one_line_and_exit_2(tmp_path:
     )
     run = verify("--model", str(folder), quiet_warnings=True)
     _assert_one_clear_line(run, "BertForMaskedLM", "LlamaForCausalLM, GPT2LMHeadModel")
+
+
+def _docs_sample(release: str | None) -> list[str] | None:
+    """The sample output in docs/verify.md whose summary line names TransformerLens
+    ``release``, as lines; ``None`` where there is none."""
+    text = (REPO / "docs" / "verify.md").read_text(encoding="utf-8")
+    for block in text.split("```text\n")[1:]:
+        lines = block.split("```")[0].splitlines()
+        if lines and f"(TransformerLens {release}," in lines[-1]:
+            return lines
+    return None
+
+
+def _shape(lines: list[str]) -> str:
+    """What a run's output shows that no machine changes: the table's headers, each row's
+    model, dtype, device, verdict and cache, the notes, and the summary without its seconds;
+    numbers read as N, and every run of blanks or line breaks as one blank."""
+    import re
+
+    numbers = re.sub(r"\d+(\.\d+)?(e[+-]\d+)?", "N", "\n".join(lines))
+    return re.sub(r"\s+", " ", numbers).strip()
+
+
+@pytest.mark.docs
+def test_the_documented_sample_output_is_what_this_release_prints(
+    runs: dict[str, Future[Run]],
+) -> None:
+    """docs/verify.md's sample for this TransformerLens is this run's output, numbers aside: the
+    same columns, rows, verdicts, notes and versions (transformers, torch)."""
+    sample = _docs_sample(RELEASE)
+    if sample is None:
+        pytest.skip(f"docs/verify.md shows no sample for TransformerLens {RELEASE}")
+    run = runs["default"].result()
+    printed = run.stdout.split("safelens-tl verify: cached against uncached generation")[-1]
+    expected = "safelens-tl verify: cached against uncached generation" + printed
+    assert _shape(sample) == _shape(expected.splitlines())
+    summary = run.stdout.strip().splitlines()[-1]
+    assert summary.split(" in ")[0] == sample[-1].split(" in ")[0]  # the versions, exactly
+
+
+def _report_of_four() -> Any:
+    from safelens_tl.verify.report import CheckResult, Report
+
+    report = Report(patched=True, transformer_lens=RELEASE, torch="2", safelens_tl="0")
+    for model in ("llama-like-gqa [bridge]", "gpt2-like [bridge]"):
+        for dtype in ("float16", "bfloat16"):
+            report.checks.append(
+                CheckResult(
+                    model=model,
+                    dtype=dtype,
+                    device="cpu",
+                    passed=dtype == "float16",
+                    max_rel_err=9.1e-4,
+                    tolerance=2e-3,
+                    order_rel_err=9.1e-4,
+                    greedy_agreement=1.0,
+                    cached_positions=72,
+                    cache_dtype=dtype,
+                    cache_device="cpu",
+                    cache_heads=2,
+                    ms_per_token_cached=4,
+                    ms_per_token_uncached=7,
+                    speedup=1.53,
+                )
+            )
+    return report
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_the_table_fits_the_terminal_and_keeps_every_verdict(width: int) -> None:
+    """In an 80-column terminal the full table would cut its cells to "dty…" and "PA…": a
+    compact table fits instead, with every row's model, dtype, verdict and error."""
+    import io
+
+    from rich.console import Console
+
+    from safelens_tl.verify import report as report_module
+
+    out = io.StringIO()
+    report_module.render(_report_of_four(), Console(file=out, width=width, color_system=None))
+    text = out.getvalue()
+    assert "\u2026" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    rows = [line for line in text.splitlines() if " cpu " in line]
+    assert len(rows) == 4
+    assert [("PASS" in row, "FAIL" in row) for row in rows] == [(True, False), (False, True)] * 2
+    assert all("9.1e-04 <= 2e-03" in row and "[bridge]" in row for row in rows)
+    assert ("ms/tok" in text) == (width >= 160)  # the full table where it fits

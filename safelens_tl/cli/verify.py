@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import sys
 import time
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from safelens_tl.verify.report import CheckResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: ``--json`` given without a path (or as ``-``): the report on stdout, as ``status --json``.
+JSON_TO_STDOUT = "-"
 #: When this module was imported: the start of a run that is not given ``arguments.started``.
 STARTED = time.perf_counter()
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
@@ -76,7 +79,14 @@ def register(subcommands: Any) -> None:
         help="longer runs (about 160 generated tokens, 120 positions on HookedTransformer) and "
         "the rounding allowance measured at every step, not 8 of them: slower",
     )
-    parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report as JSON")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const=JSON_TO_STDOUT,
+        metavar="PATH",
+        help="the report as JSON: alone, on stdout (the summary line goes to stderr); with a "
+        "PATH, written there besides the table",
+    )
     parser.add_argument(
         "--quiet", action="store_true", help="no table and no progress: only the summary line"
     )
@@ -194,8 +204,8 @@ def run(arguments: argparse.Namespace) -> int:
     try:  # first what the text alone decides: no torch yet
         dtype_names(arguments.dtype)
         device_names(arguments.device)
-        if arguments.json is not None:
-            report_module.check_writable(arguments.json)
+        if arguments.json not in (None, JSON_TO_STDOUT):
+            report_module.check_writable(Path(arguments.json))
     except (UsageError, report_module.ReportPathError) as error:
         return _usage_error(str(error))
     if arguments.model:
@@ -264,13 +274,17 @@ def run(arguments: argparse.Namespace) -> int:
     # layer above this one); called on its own, this module's import is the start.
     started = getattr(arguments, "started", STARTED)
     report.seconds = time.perf_counter() - started
-    if arguments.quiet:
+    if arguments.json == JSON_TO_STDOUT:
+        # stdout holds the JSON alone, for a pipe; the verdict goes to stderr.
+        print(json.dumps(report.to_dict(), indent=2))
+        stderr.print(report_module.summary_line(report), highlight=False)
+    elif arguments.quiet:
         stdout.print(report_module.summary_line(report), highlight=False)
     else:
         report_module.render(report, stdout)
-    if arguments.json is not None:
+    if arguments.json not in (None, JSON_TO_STDOUT):
         try:
-            report_module.write_json(report, arguments.json)
+            report_module.write_json(report, Path(arguments.json))
         except report_module.ReportPathError as error:
             return _usage_error(str(error))
     return EXIT_OK if report.passed else EXIT_FAILED

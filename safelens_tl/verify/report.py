@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -133,40 +134,60 @@ def _order_cell(check: CheckResult) -> str:
     return _number(check.order_rel_err, ".1e")
 
 
-def table(report: Report) -> Table:
-    """The human-readable table: one row per check."""
+def table(report: Report, compact: bool = False) -> Table:
+    """The human-readable table: one row per check. ``compact`` leaves out the columns a narrow
+    terminal has no room for (the cache, the indicative timings, the order of sums) and shortens
+    the headers; every check keeps its row, verdict, error and bound."""
     result = Table(
         title="safelens-tl verify: cached against uncached generation",
         title_justify="left",
         box=box.SIMPLE_HEAD,
+        # Narrow: one blank between columns instead of three.
+        padding=(0, 0) if compact else (0, 1),
+        pad_edge=not compact,
     )
-    for column in ("model", "dtype", "device", "result", "max rel err <= tol"):
+    # A long --model name wraps in a narrow terminal rather than losing its end.
+    result.add_column("model", no_wrap=not compact)
+    for column in ("dtype", "device", "result"):
         result.add_column(column, no_wrap=True)
-    result.add_column("order**", justify="right")
-    result.add_column("greedy agree", justify="right")
+    result.add_column("err <= tol" if compact else "max rel err <= tol", no_wrap=True)
+    if not compact:
+        result.add_column("order**", justify="right")
+    result.add_column("greedy" if compact else "greedy agree", justify="right")
     result.add_column("cached", justify="right")
-    result.add_column("cache", no_wrap=True)
-    result.add_column("ms/tok cached*", justify="right")
-    result.add_column("ms/tok uncached*", justify="right")
-    result.add_column("speed-up*", justify="right", no_wrap=True)
+    if not compact:
+        result.add_column("cache", no_wrap=True)
+        result.add_column("ms/tok cached*", justify="right")
+        result.add_column("ms/tok uncached*", justify="right")
+        result.add_column("speed-up*", justify="right", no_wrap=True)
     for check in report.checks:
         verdict = "[green]PASS[/]" if check.passed else "[bold red]FAIL[/]"
         agreement = "-" if check.greedy_agreement is None else f"{check.greedy_agreement:.0%}"
-        result.add_row(
-            escape(check.model),  # names such as "llama-like-gqa [bridge]" are not markup
-            check.dtype,
-            check.device,
-            verdict,
-            _error_cell(check),
-            _order_cell(check),
-            agreement,
-            "-" if check.cached_positions is None else str(check.cached_positions),
-            _cache_cell(check),
-            _number(check.ms_per_token_cached, ".0f"),
-            _number(check.ms_per_token_uncached, ".0f"),
-            "-" if check.speedup is None else f"{check.speedup:.2f}x",
-        )
+        cached = "-" if check.cached_positions is None else str(check.cached_positions)
+        # Names such as "llama-like-gqa [bridge]" are not markup.
+        cells = [escape(check.model), check.dtype, check.device, verdict, _error_cell(check)]
+        if compact:
+            cells += [agreement, cached]
+        else:
+            cells += [
+                _order_cell(check),
+                agreement,
+                cached,
+                _cache_cell(check),
+                _number(check.ms_per_token_cached, ".0f"),
+                _number(check.ms_per_token_uncached, ".0f"),
+                "-" if check.speedup is None else f"{check.speedup:.2f}x",
+            ]
+        result.add_row(*cells)
     return result
+
+
+def fits(console: Console, renderable: Table) -> bool:
+    """Whether ``renderable`` fits ``console``'s width without cutting a cell (rich shortens a
+    cell that does not fit with an ellipsis): rendered once, off screen, to find out."""
+    trial = Console(file=io.StringIO(), width=console.width, color_system=None)
+    trial.print(renderable)
+    return "\u2026" not in trial.file.getvalue()  # type: ignore[attr-defined]
 
 
 def summary_line(report: Report) -> str:
@@ -188,9 +209,19 @@ def summary_line(report: Report) -> str:
 
 
 def render(report: Report, console: Console) -> None:
-    """Print the table, the errors of failed checks, notes, diagnostics and the summary line."""
-    console.print(table(report))
-    if any(check.speedup is not None for check in report.checks):
+    """Print the table, the errors of failed checks, notes, diagnostics and the summary line.
+
+    The full table where it fits the console (a file or a log is given 160 columns); in a
+    narrower terminal, the compact one, and a line saying where the rest is."""
+    full = table(report)
+    compact = not fits(console, full)
+    console.print(table(report, compact=True) if compact else full)
+    if compact:
+        console.print(
+            "A wider terminal, or --json, shows the cache, the order of sums and the timings.",
+            highlight=False,
+        )
+    elif any(check.speedup is not None for check in report.checks):
         console.print(
             "* indicative only: time per token with the cache and without it (uncached "
             "generate, or forwards over prefixes) on tiny models, where per-call overhead "
@@ -198,7 +229,7 @@ def render(report: Report, console: Console) -> None:
             "benchmarks/ and docs/performance.md.",
             highlight=False,
         )
-    if any(check.order_rel_err is not None for check in report.checks):
+    if not compact and any(check.order_rel_err is not None for check in report.checks):
         console.print(
             "** how far the model's uncached forward moves, in the same dtype on the same tokens, "
             "when only the order of its sums changes (over each prefix; behind more padding). "
