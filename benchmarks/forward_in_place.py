@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 #: (d_model, heads) of the crossover section: SmolLM2-135M's and a 2048-wide model's.
 WIDTHS: tuple[tuple[int, int], ...] = ((576, 9), (2048, 16))
-CROSSOVER_ROWS: tuple[int, ...] = (1, 4, 16, 64, 256, 512, 1024, 2048)
+CROSSOVER_ROWS: tuple[int, ...] = (1, 4, 16, 64, 256, 512, 1024)
 DTYPES = ("float32", "bfloat16", "float16")
 #: (label, batch, positions) of the forward section.
 FORWARD_SHAPES: tuple[tuple[str, int, int], ...] = (
