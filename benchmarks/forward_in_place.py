@@ -17,6 +17,7 @@ Two sections, each a table of stock / patched ratios (above 1: patched is faster
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 SAFELENS_TL_AUTOPATCH=0 \\
         python benchmarks/forward_in_place.py [--section crossover,forward] [--rounds 7]
+    python benchmarks/forward_in_place.py --section crossover --device cuda   # on a GPU
 """
 
 from __future__ import annotations
@@ -47,18 +48,27 @@ FORWARD_SHAPES: tuple[tuple[str, int, int], ...] = (
 )
 
 
-def median_ratio(first: Callable[[], Any], second: Callable[[], Any], rounds: int) -> float:
+def median_ratio(
+    first: Callable[[], Any],
+    second: Callable[[], Any],
+    rounds: int,
+    sync: Callable[[], Any] = lambda: None,
+) -> float:
     """The median over ``rounds`` of ``first``'s time / ``second``'s, alternating which runs
-    first; each time is the mean of enough calls to last about 20 ms."""
+    first; each time is the mean of enough calls to last about 20 ms (``sync`` waits for a
+    device's queued work before a clock is read)."""
     first(), second()  # warm-up
+    sync()
     start = time.perf_counter()
     first()
+    sync()
     calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-6)))
 
     def timed(call: Callable[[], Any]) -> float:
         begin = time.perf_counter()
         for _ in range(calls):
             call()
+        sync()
         return (time.perf_counter() - begin) / calls
 
     ratios = []
@@ -71,8 +81,9 @@ def median_ratio(first: Callable[[], Any], second: Callable[[], Any], rounds: in
     return statistics.median(ratios)
 
 
-def crossover(rounds: int) -> list[dict[str, Any]]:
-    """Stock / in-place time of one projection and one linear layer, by dtype and rows."""
+def crossover(rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """Stock / in-place time of one projection and one linear layer, by dtype and rows, on
+    ``device``."""
     import einops  # type: ignore[import-not-found]  # TransformerLens's dependency
 
     from safelens_tl.fixes.hooked import weight_copies
@@ -83,25 +94,30 @@ def crossover(rounds: int) -> list[dict[str, Any]]:
         bias = einops.rearrange(b, "head_index d_head -> (head_index d_head)")
         return F.linear(x, flat, bias).reshape(x.shape[0], x.shape[1], b.shape[0], b.shape[1])
 
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     rows_found = []
     with torch.no_grad():
         for d_model, heads in WIDTHS:
             for dtype_name in DTYPES:
                 dtype = getattr(torch, dtype_name)
-                w = torch.randn(heads, d_model, d_model // heads, dtype=dtype)
-                b = torch.randn(heads, d_model // heads, dtype=dtype)
-                mlp = torch.randn(d_model, 4 * d_model, dtype=dtype)  # [d_model, d_mlp]
+                w = torch.randn(heads, d_model, d_model // heads, dtype=dtype, device=device)
+                b = torch.randn(heads, d_model // heads, dtype=dtype, device=device)
+                mlp = torch.randn(
+                    d_model, 4 * d_model, dtype=dtype, device=device
+                )  # [d_model, d_mlp]
                 for rows in CROSSOVER_ROWS:
-                    x = torch.randn(1, rows, d_model, dtype=dtype)
+                    x = torch.randn(1, rows, d_model, dtype=dtype, device=device)
                     projection = median_ratio(
                         functools.partial(stock_projection, x, w, b),
                         functools.partial(weight_copies.in_place_projection, x, w, b),
                         rounds,
+                        sync,
                     )
                     linear = median_ratio(
                         functools.partial(F.linear, x, mlp.T.contiguous()),
                         functools.partial(F.linear, x, mlp.T),
                         rounds,
+                        sync,
                     )
                     rows_found.append(
                         {
@@ -239,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--section", default="crossover,forward", help="crossover, forward")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per ratio")
+    parser.add_argument(
+        "--device", default="cpu", help="where the crossover section runs (cpu, cuda)"
+    )
     parser.add_argument("--checkpoint", help="a converted checkpoint folder (generate_vs_hf.py)")
     parser.add_argument(
         "--quick", action="store_true", help="seconds: tiny shapes, one round (a smoke test)"
@@ -253,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sections - {"crossover", "forward"}
     if unknown:
         parser.error(f"unknown section {sorted(unknown)}; choose from crossover, forward")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    crossover_rows = crossover(args.rounds) if "crossover" in sections else []
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}", flush=True
+    )
+    crossover_rows = crossover(args.rounds, args.device) if "crossover" in sections else []
     forward_rows = forward_section(args.checkpoint, args.rounds) if "forward" in sections else []
     print_tables(crossover_rows, forward_rows)
     return 0

@@ -30,6 +30,7 @@ python3 -c 'import torch, transformers, safelens_tl; print("torch", torch.__vers
 step 150 safelens-tl verify --device cuda --dtype float16,bfloat16 --json "$out/verify-$tag.json"
 step 150 safelens-tl verify --device cuda --dtype float16,bfloat16 --no-patch --quiet
 step 240 python3 benchmarks/kv_cache.py --quick --device cuda --json "$out/kv-quick-$tag.json"
+step 240 python3 benchmarks/forward_in_place.py --section crossover --device cuda --rounds 3
 if [ -n "${FULL_SECONDS:-}" ]; then
     step "$FULL_SECONDS" python3 benchmarks/kv_cache.py --device cuda \
         --only append,step,generate,trace,autocast,bridge --json "$out/kv-full-$tag.json"

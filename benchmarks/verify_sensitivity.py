@@ -110,7 +110,7 @@ def measure(api: str, model: str, dtype: torch.dtype) -> dict[str, Any]:
         row = runner.check_hooked(hooked, model)
 
         def cached_runs() -> list[tuple[float, float]]:
-            runs = [checks.teacher_forced(hooked, batch=batch) for batch in checks.BATCHES]
+            runs = checks.teacher_forced_batches(hooked)
             return [(run.max_rel_err, run.top1_agreement) for run in runs]
 
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -147,7 +148,20 @@ def passing_errors_through(
     function: Callable[..., Any], fixes: tuple[str, ...]
 ) -> Callable[..., Any]:
     """``function``, whose errors get :func:`note_origin`'s note. Its frame is hidden from
-    IPython's and pytest's tracebacks (``__tracebackhide__``)."""
+    IPython's and pytest's tracebacks (``__tracebackhide__``). A generator function stays one, so
+    that ``inspect`` and code that checks for one see no difference."""
+    if inspect.isgeneratorfunction(function):
+
+        @functools.wraps(function)
+        def streaming(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            try:
+                return (yield from function(*args, **kwargs))
+            except Exception as error:
+                note_origin(error, fixes)
+                raise
+
+        return streaming
 
     @functools.wraps(function)
     def passing(*args: Any, **kwargs: Any) -> Any:

@@ -228,6 +228,10 @@ class Switches:
 
 #: The switches of the latest activation (:func:`configure`), followed by every build.
 _switches = Switches()
+#: The records whose detector or patch builder raised since the latest activation: a record
+#: triggered by several modules (``Fix.when_imported``) is off from its first failure on, with
+#: one warning, and patches nothing at the next module's import.
+_failed: set[str] = set()
 
 
 def publish(fixes: Iterable[Fix]) -> None:
@@ -307,6 +311,7 @@ def configure(chosen: Switches) -> None:
     global _switches
     with _lock:
         _switches = chosen
+        _failed.clear()
 
 
 def current_switches() -> Switches:
@@ -357,11 +362,15 @@ def build(fixes: Iterable[Fix], context: Context) -> Iterator[Patch | Failure]:
     triggered = [fix for fix in fixes if context.module in fix.when_imported]
     built: dict[str, list[Patch | Wrap | Failure]] = {}
     failures: list[Failure] = []
+    with _lock:
+        failed_before = set(_failed)
     for fix in triggered:
         if fix.id in off:
             by, reason = off[fix.id]
             _decide(fix, Decision(None, reason, disabled_by=by))
             continue
+        if fix.id in failed_before:
+            continue  # off since it failed at another module's import: reported there
         stage, applies, reason, made = "detector", None, "", []
         try:
             applies, reason = fix.applies(context)
@@ -373,6 +382,8 @@ def build(fixes: Iterable[Fix], context: Context) -> Iterator[Patch | Failure]:
         except BaseException as error:
             _decide(fix, Decision(applies, f"{stage}: {_describe(error)}", failed=True))
             failures.append(failure(fix.id, stage, _describe(error)))
+            with _lock:
+                _failed.add(fix.id)
             continue
         _decide(fix, Decision(applies, reason, failed=any(isinstance(i, Failure) for i in made)))
         if applies:

@@ -30,8 +30,11 @@ from safelens_tl.registry import Fix
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE, tiny_model
 
 if HAS_BRIDGE:
-    # Imported now, so that the bridge's deferred fixes are built and installed at activation.
+    # Imported now, so that the bridge's deferred fixes are built and installed at activation;
+    # Hugging Face's CodeGen too: bridge_codegen is triggered by both modules, and a record that
+    # fails at the first must be off at the second, with one warning.
     importlib.import_module(targets.BRIDGE_MODULE)
+    importlib.import_module(targets.CODEGEN_MODULE)
 
 #: The fix without which a model's cached float16 generation fails or is wrong on some release:
 #: where it is the broken one, the check is only that generation runs (stock's cache raises

@@ -177,7 +177,11 @@ def test_generate_stream_wrapper_is_removed_and_an_early_stop_closes_the_origina
         model.to_tokens(["the cat runs"]), max_new_tokens=6, max_tokens_per_yield=1, verbose=False
     )
     next(stream)
-    original_stream = stream.gi_frame.f_locals["stream"]  # the generator TL's method returned
+    # The generator TL's method returned, held by the reservation's loop below the wrappers.
+    running = stream
+    while running.gi_yieldfrom is not None:
+        running = running.gi_yieldfrom
+    original_stream = running.gi_frame.f_locals["stream"]
     assert original_stream.gi_frame is not None  # suspended mid-generation
     stream.close()
     assert original_stream.gi_frame is None  # closed with the wrapper, not left to the GC

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import re
 import traceback
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -180,6 +182,30 @@ def test_an_error_raised_below_a_wrapper_says_where_it_was_raised() -> None:
     with pytest.raises(ValueError) as again:
         outer()
     assert len(again.value.__notes__) == 1
+
+
+def test_a_wrapped_generator_function_stays_one_and_notes_its_errors() -> None:
+    """``generate_stream`` is a generator function; code that checks with ``inspect`` must still
+    see one through the wrappers, and an error raised while it streams gets the same note."""
+
+    def stream(count: int) -> Iterator[int]:
+        yield from range(count)
+        raise ValueError("the wrapped stream said no")
+
+    def passing(original: Callable[..., Iterator[int]]) -> Callable[..., Iterator[int]]:
+        def wrapper(*args: object, **kwargs: object) -> Iterator[int]:
+            return (yield from original(*args, **kwargs))
+
+        return wrapper
+
+    replacement = registry.composed(stream, passing, fixes=("some_fix",))
+    assert inspect.isgeneratorfunction(replacement)
+    items = replacement(3)
+    assert [next(items) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="stream said no") as raised:
+        next(items)
+    (note,) = raised.value.__notes__
+    assert "(some_fix) only passed the call through" in note
 
 
 def test_an_error_raised_in_safelens_own_code_says_so_and_how_to_leave_it_out() -> None:

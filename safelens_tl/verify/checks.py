@@ -110,7 +110,22 @@ def teacher_forced(
     continuation: str = LONG_CONTINUATION,
     order_steps: int | None = 0,
 ) -> TeacherForced:
-    """Run a left-padded batch (:data:`BATCHES`) through the model once uncached and once with
+    """:func:`teacher_forced_batches` for one of :data:`BATCHES`."""
+    (run,) = teacher_forced_batches(
+        model, (batch,), prompt_positions, continuation=continuation, order_steps=order_steps
+    )
+    return run
+
+
+@torch.inference_mode()
+def teacher_forced_batches(
+    model: Any,
+    batches: tuple[int, ...] = tuple(BATCHES),
+    prompt_positions: int = 6,
+    continuation: str = LONG_CONTINUATION,
+    order_steps: int | None = 0,
+) -> list[TeacherForced]:
+    """Run each left-padded batch (:data:`BATCHES`) through the model once uncached and once with
     the cache.
 
     The cached run feeds the first ``prompt_positions`` tokens at once, then one token at a time,
@@ -121,57 +136,94 @@ def teacher_forced(
     (Left to the default limit, these tiny models' caches would stay small throughout.)
     ``order_steps``: how many uncached forwards over prefixes measure ``order`` (0: none; ``None``:
     one per step).
+
+    Every uncached forward (the yardsticks and the allowance's) runs before any cached one, in
+    order of length, shortest first: a forward whose result depends on what ran before it (stock
+    TransformerLens keeps its ALiBi bias at the longest length seen and offsets every shorter
+    forward after it) then meets that state in the code under test alone.
     """
-    tokens, mask = padded_batch(model, continuation, BATCHES[batch])
     device = model.cfg.device
-    tokens, mask = tokens.to(device), mask.to(device)
-    uncached = model(tokens, attention_mask=mask)
-    cache = cache_class().init_cache(model.cfg, model.cfg.device, tokens.shape[0])
-    small_bytes = (prompt_positions + 2) * position_bytes(model.cfg, tokens.shape[0])
-    with kv_storage.small_cache_limit(small_bytes):
-        cached = cached_logits(model, tokens, mask, cache, prompt_positions)
-    order = None
-    if order_steps != 0:
-        order = prefix_order(model, tokens, mask, uncached, prompt_positions, order_steps)
-    return TeacherForced(cached, uncached, mask, cache, prompt_positions, order)
+    inputs = []
+    for batch in batches:
+        tokens, mask = padded_batch(model, continuation, BATCHES[batch])
+        inputs.append((tokens.to(device), mask.to(device)))
+    logits = _uncached_forwards(model, inputs, prompt_positions, order_steps)
+    runs = []
+    for index, (tokens, mask) in enumerate(inputs):
+        uncached = logits[index, "whole", 0]
+        order = None
+        if order_steps != 0:
+            order = _order(model, index, mask, uncached, logits)
+        cache = cache_class().init_cache(model.cfg, model.cfg.device, tokens.shape[0])
+        small_bytes = (prompt_positions + 2) * position_bytes(model.cfg, tokens.shape[0])
+        with kv_storage.small_cache_limit(small_bytes):
+            cached = cached_logits(model, tokens, mask, cache, prompt_positions)
+        runs.append(TeacherForced(cached, uncached, mask, cache, prompt_positions, order))
+    return runs
 
 
-@torch.inference_mode()
-def prefix_order(
+_Forward = tuple[int, str, int]  # (batch index, "whole" | "prefix" | "shift", position or shift)
+
+
+def _uncached_forwards(
     model: Any,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    uncached: torch.Tensor,
+    inputs: list[tuple[torch.Tensor, torch.Tensor]],
     prompt_positions: int,
     order_steps: int | None,
+) -> dict[_Forward, torch.Tensor]:
+    """The logits of every uncached forward, shortest first: the whole sequence of each batch;
+    with ``order_steps``, the last position of the forwards over prefixes ending at that many of
+    the token-by-token positions (spread, the last included; ``None``: all of them) and the whole
+    sequence behind :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding."""
+    pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    planned: list[tuple[int, _Forward, torch.Tensor, torch.Tensor]] = []
+    for index, (tokens, mask) in enumerate(inputs):
+        length = tokens.shape[1]
+        planned.append((length, (index, "whole", 0), tokens, mask))
+        if order_steps == 0:
+            continue
+        for step in oracle.order_steps(length - prompt_positions, order_steps):
+            end = prompt_positions + step + 1
+            planned.append((end, (index, "prefix", end - 1), tokens[:, :end], mask[:, :end]))
+        for shift in oracle.SHIFTS:
+            pad = torch.full(
+                (tokens.shape[0], shift), 0 if pad_id is None else int(pad_id), dtype=tokens.dtype
+            ).to(tokens.device)
+            shifted_mask = torch.cat([torch.zeros_like(pad, dtype=mask.dtype), mask], dim=1)
+            planned.append(
+                (length + shift, (index, "shift", shift), torch.cat([pad, tokens], 1), shifted_mask)
+            )
+    logits: dict[_Forward, torch.Tensor] = {}
+    for _, key, tokens, mask in sorted(planned, key=lambda forward: forward[0]):
+        out = model(tokens, attention_mask=mask)
+        _, kind, at = key
+        logits[key] = out[:, -1] if kind == "prefix" else out[:, at:] if kind == "shift" else out
+    return logits
+
+
+def _order(
+    model: Any,
+    index: int,
+    mask: torch.Tensor,
+    uncached: torch.Tensor,
+    logits: dict[_Forward, torch.Tensor],
 ) -> float:
-    """``order`` (:func:`safelens_tl.verify.oracle.order_error`): other orders of the same sums,
-    each one uncached forward in the dtype, against the forward over the whole sequence: the
-    forwards over the prefixes ending at ``order_steps`` of the token-by-token positions (spread,
-    the last included; ``None``: all of them), and the whole sequence behind
-    :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding."""
-    steps = tokens.shape[1] - prompt_positions
-    chosen = [prompt_positions + step for step in oracle.order_steps(steps, order_steps)]
+    """``order`` (:func:`safelens_tl.verify.oracle.order_error`) of batch ``index``: other orders
+    of the same sums, each one uncached forward in the dtype (:func:`_uncached_forwards`), against
+    the forward over the whole sequence at the same positions."""
     valid = mask.bool()
     other, whole = [], []
-    for position in chosen:
-        end = position + 1
-        logits = model(tokens[:, :end], attention_mask=mask[:, :end])
-        # Left padding: a row whose prefix is all padding has no logits worth comparing.
-        real = valid[:, position]
-        other.append(logits[:, -1][real])
-        whole.append(uncached[:, position][real])
-    pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
-    for shift in oracle.SHIFTS:
-        pad = torch.full(
-            (tokens.shape[0], shift), 0 if pad_id is None else int(pad_id), dtype=tokens.dtype
-        ).to(tokens.device)
-        shifted = model(
-            torch.cat([pad, tokens], dim=1),
-            attention_mask=torch.cat([torch.zeros_like(pad, dtype=mask.dtype), mask], dim=1),
-        )
-        other.append(shifted[:, shift:][valid])
-        whole.append(uncached[valid])
+    for (batch, kind, at), out in logits.items():
+        if batch != index or kind == "whole":
+            continue
+        if kind == "prefix":
+            # Left padding: a row whose prefix is all padding has no logits worth comparing.
+            real = valid[:, at]
+            other.append(out[real])
+            whole.append(uncached[:, at][real])
+        else:
+            other.append(out[valid])
+            whole.append(uncached[valid])
     scale = float(uncached.float().abs()[valid].max())
     return oracle.order_error(other, whole, scale)
 

@@ -163,12 +163,9 @@ def check_hooked(model: Any, name: str, depth: Depth | None = None) -> CheckResu
     raised: dict[str, list[str]] = {}
     bound = oracle.allowance(dtype if isinstance(dtype, torch.dtype) else torch.float32, None)
     try:
-        forced = [
-            checks.teacher_forced(
-                model, batch=batch, continuation=depth.continuation, order_steps=depth.order_steps
-            )
-            for batch in checks.BATCHES
-        ]
+        forced = checks.teacher_forced_batches(
+            model, continuation=depth.continuation, order_steps=depth.order_steps
+        )
         order = oracle.worst_error(run.order for run in forced if run.order is not None)
         bound = oracle.allowance(bound.dtype, order)
         result.order_rel_err = order

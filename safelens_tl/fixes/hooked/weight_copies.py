@@ -23,7 +23,8 @@ costs less, the fix reads each weight in its own layout:
 what the call sees (:func:`reads_in_place`), and otherwise calls the release's function:
 
 * half precision on the CPU (both in-place forms are slower there than a copy and a product),
-  devices other than the CPU and CUDA, mixed dtypes or devices (the release's error or move);
+  any device but the CPU (CUDA's crossover is not measured yet), mixed dtypes or devices (the
+  release's error or move);
 * more than :data:`PROJECTION_MAX_ROWS` rows in the query, key and value projections (where one
   product per head costs more than the copy);
 * anything autograd records: gradients and backward memory are stock's, bitwise;
@@ -179,11 +180,11 @@ PROJECTION_MAX_ROWS = 256
 #: The dtypes whose products read in place are faster than stock's copy and product, by device
 #: type. On the CPU only float32: in float16 and bfloat16, a matrix product whose weight is a
 #: transposed view, and one product per head, are 1.5-10x slower than stock's copy plus its
-#: product (``--section crossover``). On CUDA a decoding step moves the weights' bytes, which
-#: in place are read once instead of read, written and read again (not measured here: no GPU).
+#: product (``--section crossover``). Any other device runs the release's code until its
+#: crossover is measured there (``benchmarks/forward_in_place.py --section crossover --device
+#: cuda``, which ``benchmarks/gpu_checks.sh`` runs).
 IN_PLACE_DTYPES: dict[str, frozenset[torch.dtype]] = {
     "cpu": frozenset({torch.float32}),
-    "cuda": frozenset({torch.float32, torch.float16, torch.bfloat16}),
 }
 
 #: Tensor types read in place; any other (a subclass: fake, functional, ``DTensor``, quantized,
