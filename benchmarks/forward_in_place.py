@@ -1,7 +1,7 @@
 """HookedTransformer forward passes with safelens-tl against stock: where reading the weights in
 place pays (``safelens_tl.fixes.hooked.weight_copies``), and that it costs nothing elsewhere.
 
-Two sections, each a table of stock / patched ratios (above 1: patched is faster):
+Three sections, each a table; ratios are stock / patched (above 1: patched is faster):
 
 * ``crossover``: one query/key/value projection (``simple_attn_linear``) and one linear layer
   (an MLP's ``F.linear(x, W.T.contiguous())``), the release's copy-and-product against the
@@ -14,9 +14,12 @@ Two sections, each a table of stock / patched ratios (above 1: patched is faster
   every allocation: deterministic). The model is SmolLM2-135M converted by
   ``generate_vs_hf.py`` where that checkpoint exists (``--checkpoint``), else the built-in tiny
   Llama.
+* ``rounding``: float32 logits of stock and of safelens-tl against the same model's float64
+  forward (the largest difference relative to the largest logit), for single-row forwards (a
+  decoding step at batch 1, where the in-place product rounds in another order) and a batch.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 SAFELENS_TL_AUTOPATCH=0 \\
-        python benchmarks/forward_in_place.py [--section crossover,forward] [--rounds 7]
+        python benchmarks/forward_in_place.py [--section crossover,forward,rounding] [--rounds 7]
     python benchmarks/forward_in_place.py --section crossover --device cuda   # on a GPU
 """
 
@@ -40,6 +43,10 @@ import torch.nn.functional as F
 WIDTHS: tuple[tuple[int, int], ...] = ((576, 9), (2048, 16))
 CROSSOVER_ROWS: tuple[int, ...] = (1, 4, 16, 64, 256, 512, 1024)
 DTYPES = ("float32", "bfloat16", "float16")
+#: Half precision's rows stop here: both in-place forms are 2-30x slower than stock's from 4 rows
+#: on (so the fix never takes them on the CPU), and a 2048-wide linear layer read in place takes
+#: seconds per call beyond.
+HALF_MAX_ROWS = 256
 #: (label, batch, positions) of the forward section.
 FORWARD_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("1 x 1", 1, 1),
@@ -53,18 +60,25 @@ def median_ratio(
     second: Callable[[], Any],
     rounds: int,
     sync: Callable[[], Any] = lambda: None,
+    switch: Callable[[bool], Any] = lambda second: None,
 ) -> float:
     """The median over ``rounds`` of ``first``'s time / ``second``'s, alternating which runs
     first; each time is the mean of enough calls to last about 20 ms (``sync`` waits for a
-    device's queued work before a clock is read)."""
-    first(), second()  # warm-up
+    device's queued work before a clock is read; ``switch(is_second)`` runs before each timed
+    series, outside the clock: safelens-tl activated for the second, deactivated for the first)."""
+    switch(False)
+    first()  # warm-up
+    switch(True)
+    second()
     sync()
+    switch(False)
     start = time.perf_counter()
     first()
     sync()
     calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-6)))
 
     def timed(call: Callable[[], Any]) -> float:
+        switch(call is second)
         begin = time.perf_counter()
         for _ in range(calls):
             call()
@@ -78,6 +92,7 @@ def median_ratio(
         else:
             a, b = timed(first), timed(second)
         ratios.append(a / b)
+    switch(False)
     return statistics.median(ratios)
 
 
@@ -106,6 +121,8 @@ def crossover(rounds: int, device: str = "cpu") -> list[dict[str, Any]]:
                     d_model, 4 * d_model, dtype=dtype, device=device
                 )  # [d_model, d_mlp]
                 for rows in CROSSOVER_ROWS:
+                    if dtype_name != "float32" and rows > HALF_MAX_ROWS:
+                        continue
                     x = torch.randn(1, rows, d_model, dtype=dtype, device=device)
                     projection = median_ratio(
                         functools.partial(stock_projection, x, w, b),
@@ -167,23 +184,37 @@ def peak_bytes(call: Callable[[], Any]) -> int:
     return peak
 
 
-def one_pass(model: Any, tokens: torch.Tensor, backward: bool, active: bool) -> None:
-    """One forward (and backward) of ``model``, with safelens-tl active or stock."""
+def one_pass(model: Any, tokens: torch.Tensor, backward: bool) -> None:
+    """One forward (and backward) of ``model``, as safelens-tl is now (active or not)."""
+    if backward:
+        model.zero_grad(set_to_none=True)
+        model(tokens).float().mean().backward()
+    else:
+        with torch.no_grad():
+            model(tokens)
+
+
+def set_active(active: bool) -> None:
+    """safelens-tl activated (``True``) or stock (``False``)."""
     import safelens_tl
 
     if active:
         safelens_tl.activate()
     else:
         safelens_tl.deactivate()
-    try:
-        if backward:
-            model.zero_grad(set_to_none=True)
-            model(tokens).float().mean().backward()
-        else:
-            with torch.no_grad():
-                model(tokens)
-    finally:
-        safelens_tl.deactivate()
+
+
+def as_active(active: bool, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with safelens-tl activated or not, and stock afterwards."""
+
+    def run() -> Any:
+        set_active(active)
+        try:
+            return call()
+        finally:
+            set_active(False)
+
+    return run
 
 
 def forward_section(checkpoint: str | None, rounds: int) -> list[dict[str, Any]]:
@@ -200,13 +231,15 @@ def forward_section(checkpoint: str | None, rounds: int) -> list[dict[str, Any]]
                 if backward and batch * positions > 256:
                     continue  # a minute per round on a CPU; both run the release's code anyway
 
-                stock = functools.partial(one_pass, model, tokens, backward, False)
-                patched = functools.partial(one_pass, model, tokens, backward, True)
-                ratio = median_ratio(stock, patched, rounds)
+                # Two callables, so that median_ratio tells them apart; it activates
+                # safelens-tl for the second outside the clock.
+                stock = functools.partial(one_pass, model, tokens, backward)
+                patched = functools.partial(one_pass, model, tokens, backward)
+                ratio = median_ratio(stock, patched, rounds, switch=set_active)
                 model.zero_grad(set_to_none=True)
-                stock_peak = peak_bytes(stock)
+                stock_peak = peak_bytes(as_active(False, stock))
                 model.zero_grad(set_to_none=True)
-                patched_peak = peak_bytes(patched)
+                patched_peak = peak_bytes(as_active(True, patched))
                 model.zero_grad(set_to_none=True)
                 row = {
                     "model": name,
@@ -222,7 +255,51 @@ def forward_section(checkpoint: str | None, rounds: int) -> list[dict[str, Any]]
     return found
 
 
-def print_tables(crossover_rows: list[dict[str, Any]], forward_rows: list[dict[str, Any]]) -> None:
+#: (label, batch, positions, forwards) of the rounding section: single rows are ``forwards``
+#: forwards of one token each.
+ROUNDING_SHAPES: tuple[tuple[str, int, int, int], ...] = (
+    ("1 x 1, 32 forwards", 1, 1, 32),
+    ("4 x 16", 4, 16, 1),
+)
+
+
+def rounding_section(checkpoint: str | None) -> list[dict[str, Any]]:
+    """float32 logits of stock and of safelens-tl against float64, relative to the largest."""
+    import safelens_tl
+
+    name, model = load_model(checkpoint, torch.float32)
+    exact_model = load_model(checkpoint, torch.float64)[1]
+    found = []
+    for label, batch, positions, forwards in ROUNDING_SHAPES:
+        generator = torch.Generator().manual_seed(1)
+        shape = (forwards, batch, positions)
+        inputs = torch.randint(10, int(model.cfg.d_vocab), shape, generator=generator)
+        with torch.no_grad():
+            exact = torch.cat([exact_model(tokens) for tokens in inputs])
+            errors = {}
+            for active in (False, True):
+                if active:
+                    safelens_tl.activate()
+                else:
+                    safelens_tl.deactivate()
+                try:
+                    logits = torch.cat([model(tokens) for tokens in inputs]).double()
+                finally:
+                    safelens_tl.deactivate()
+                scale = float(exact.abs().max())
+                errors[active] = float((logits - exact).abs().max()) / scale
+        found.append(
+            {"model": name, "shape": label, "stock": errors[False], "patched": errors[True]}
+        )
+        print(f"  rounding {found[-1]}", file=sys.stderr, flush=True)
+    return found
+
+
+def print_tables(
+    crossover_rows: list[dict[str, Any]],
+    forward_rows: list[dict[str, Any]],
+    rounding_rows: list[dict[str, Any]] | None = None,
+) -> None:
     if crossover_rows:
         print("\n## crossover: stock time / in-place time (above 1: in place is faster)\n")
         print("| d_model | dtype | " + " | ".join(f"{r} rows" for r in CROSSOVER_ROWS) + " |")
@@ -230,11 +307,12 @@ def print_tables(crossover_rows: list[dict[str, Any]], forward_rows: list[dict[s
         for d_model, _ in WIDTHS:
             for dtype_name in DTYPES:
                 for kind in ("projection", "linear"):
-                    cells = [
-                        f"{row[kind]:.2f}"
+                    measured = {
+                        row["rows"]: f"{row[kind]:.2f}"
                         for row in crossover_rows
                         if row["d_model"] == d_model and row["dtype"] == dtype_name
-                    ]
+                    }
+                    cells = [measured.get(rows, "-") for rows in CROSSOVER_ROWS]
                     print(f"| {d_model} {kind} | {dtype_name} | " + " | ".join(cells) + " |")
     if forward_rows:
         print("\n## forward: stock time / safelens-tl time, and peak memory\n")
@@ -250,10 +328,23 @@ def print_tables(crossover_rows: list[dict[str, Any]], forward_rows: list[dict[s
             )
 
 
+    if rounding_rows:
+        print("\n## rounding: float32 against float64, relative to the largest logit\n")
+        print("| model | batch x positions | stock | patched | patched / stock |")
+        print("|---|---|---|---|---|")
+        for row in rounding_rows:
+            print(
+                f"| {row['model']} | {row['shape']} | {row['stock']:.1e} | {row['patched']:.1e} "
+                f"| {row['patched'] / row['stock']:.2f} |"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", default="crossover,forward", help="crossover, forward")
+    parser.add_argument(
+        "--section", default="crossover,forward,rounding", help="crossover, forward, rounding"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per ratio")
     parser.add_argument(
         "--device", default="cpu", help="where the crossover section runs (cpu, cuda)"
@@ -264,20 +355,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        global WIDTHS, CROSSOVER_ROWS, FORWARD_SHAPES
+        global WIDTHS, CROSSOVER_ROWS, FORWARD_SHAPES, ROUNDING_SHAPES
         WIDTHS, CROSSOVER_ROWS = ((64, 4),), (1, 64)
         FORWARD_SHAPES = (("1 x 1", 1, 1), ("2 x 8", 2, 8))
+        ROUNDING_SHAPES = (("1 x 1, 4 forwards", 1, 1, 4), ("2 x 8", 2, 8, 1))
         args.rounds = 1
     sections = {name.strip() for name in args.section.split(",")}
-    unknown = sections - {"crossover", "forward"}
+    unknown = sections - {"crossover", "forward", "rounding"}
     if unknown:
-        parser.error(f"unknown section {sorted(unknown)}; choose from crossover, forward")
+        parser.error(f"unknown section {sorted(unknown)}; choose from crossover, forward, rounding")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}", flush=True
     )
     crossover_rows = crossover(args.rounds, args.device) if "crossover" in sections else []
     forward_rows = forward_section(args.checkpoint, args.rounds) if "forward" in sections else []
-    print_tables(crossover_rows, forward_rows)
+    rounding_rows = rounding_section(args.checkpoint) if "rounding" in sections else []
+    print_tables(crossover_rows, forward_rows, rounding_rows)
     return 0
 
 

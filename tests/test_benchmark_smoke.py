@@ -782,18 +782,23 @@ def test_operation_counts_refuses_a_malformed_shape() -> None:
 def test_forward_in_place_prints_both_tables(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The crossover and forward sections, on tiny shapes and the built-in tiny Llama (the
-    folder given holds no checkpoint)."""
+    """The crossover, forward and rounding sections, on tiny shapes and the built-in tiny Llama
+    (the folder given holds no checkpoint)."""
     main = benchmark_module("forward_in_place").main
     assert main(["--quick", "--checkpoint", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "## crossover" in out and "## forward" in out
+    assert "## crossover" in out and "## forward" in out and "## rounding" in out
     crossover = [line for line in out.splitlines() if line.startswith("| 64 ")]
     assert len(crossover) == 6  # projection and linear, three dtypes
-    forward = [line for line in out.splitlines() if line.startswith("| tiny Llama |")]
+    forward = out.split("## forward")[1].split("## rounding")[0].splitlines()
+    forward = [line for line in forward if line.startswith("| tiny Llama |")]
     # float32 and bfloat16, two shapes, forward and forward + backward
     assert len(forward) == 8, out
     assert all(line.count("x |") == 1 for line in forward)
+    rounding = out.split("## rounding")[1].splitlines()
+    rounding = [line.split(" | ") for line in rounding if line.startswith("| tiny Llama | ")]
+    assert len(rounding) == 2, out  # one-row forwards and a batch
+    assert all(float(cells[2]) > 0 for cells in rounding), rounding  # float32 is not float64
 
 
 def test_forward_in_place_refuses_an_unknown_section() -> None:

@@ -170,8 +170,8 @@ def copies_weight(attn_linear: Callable[..., torch.Tensor]) -> bool:
 
 #: The most rows (batch x positions) a query, key or value projection reads its weight in place
 #: for, and never more than ``d_model`` rows. One product per head costs more than stock's single
-#: product plus the weight copy from about 512 rows of float32 on a 2-core AVX2 CPU; 256 keeps a
-#: factor of two below that and covers every decoding step of a batch of up to 256 prompts
+#: product plus the weight copy from 512-1,024 rows of float32 on a 2-core AVX2 CPU; 256 keeps a
+#: factor of two or more below that and covers every decoding step of a batch of up to 256 prompts
 #: (``benchmarks/forward_in_place.py``). Up to ``d_model`` rows the projection also holds no more
 #: memory than stock: its result twice (``rows x heads x d_head`` elements each) against stock's
 #: result and its copy of the weight (``d_model x heads x d_head``).
