@@ -17,6 +17,7 @@ Three sections, each a table; ratios are stock / patched (above 1: patched is fa
 * ``rounding``: float32 logits of stock and of safelens-tl against the same model's float64
   forward (the largest difference relative to the largest logit), for single-row forwards (a
   decoding step at batch 1, where the in-place product rounds in another order) and a batch.
+* ``decisions`` (on demand): what deciding at every call costs where the release's code runs.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 SAFELENS_TL_AUTOPATCH=0 \\
         python benchmarks/forward_in_place.py [--section crossover,forward,rounding] [--rounds 7]
@@ -263,6 +264,60 @@ ROUNDING_SHAPES: tuple[tuple[str, int, int, int], ...] = (
 )
 
 
+def decisions_section(checkpoint: str | None) -> None:
+    """What deciding costs where the release's code runs: how many calls of
+    ``weight_copies.reads_in_place`` one forward makes, and the time of one such call (timeit),
+    for a bfloat16 forward (the dtype rejects) and a float32 one that autograd records."""
+    print("\n## decisions: what choosing the release's code costs per forward\n")
+    print(
+        "| model | dtype | gradients | decisions per forward | µs per decision | ms per forward |"
+    )
+    print("|---|---|---|---|---|---|")
+    for dtype_name, grad in (("bfloat16", False), ("float32", True)):
+        name, model = load_model(checkpoint, getattr(torch, dtype_name))
+        count, seconds, forward = decision_cost(model, grad)
+        print(
+            f"| {name} | {dtype_name} | {'recorded' if grad else 'no'} | {count} "
+            f"| {seconds * 1e6:.2f} | {forward * 1e3:.1f} |"
+        )
+
+
+def decision_cost(model: Any, grad: bool) -> tuple[int, float, float]:
+    """Decisions in one decoding-step forward of ``model``, seconds per decision, and seconds of
+    the forward, with safelens-tl active."""
+    import timeit
+
+    import safelens_tl
+    from safelens_tl.fixes.hooked import weight_copies
+
+    tokens = torch.randint(10, int(model.cfg.d_vocab), (1, 1))
+    decide = weight_copies.reads_in_place
+    seen: list[tuple[Any, ...]] = []
+
+    def counting(
+        x: torch.Tensor, weights: tuple[torch.Tensor, ...], max_rows: int | None = None
+    ) -> bool:
+        seen.append((x, weights, max_rows))
+        return decide(x, weights, max_rows)
+
+    safelens_tl.activate()
+    try:
+        with torch.set_grad_enabled(grad):
+            weight_copies.reads_in_place = counting  # the wrappers look it up at each call
+            try:
+                model(tokens)
+            finally:
+                weight_copies.reads_in_place = decide
+            calls = 20000
+            seconds = timeit.timeit(lambda: decide(*seen[0]), number=calls) / calls
+            begin = time.perf_counter()
+            model(tokens)
+            forward = time.perf_counter() - begin
+    finally:
+        safelens_tl.deactivate()
+    return len(seen), seconds, forward
+
+
 def rounding_section(checkpoint: str | None) -> list[dict[str, Any]]:
     """float32 logits of stock and of safelens-tl against float64, relative to the largest."""
     import safelens_tl
@@ -327,7 +382,6 @@ def print_tables(
                 f"{row['ratio']:.2f}x | {row['stock MB']:.1f} | {row['patched MB']:.1f} |"
             )
 
-
     if rounding_rows:
         print("\n## rounding: float32 against float64, relative to the largest logit\n")
         print("| model | batch x positions | stock | patched | patched / stock |")
@@ -343,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--section", default="crossover,forward,rounding", help="crossover, forward, rounding"
+        "--section",
+        default="crossover,forward,rounding",
+        help="crossover, forward, rounding, decisions",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per ratio")
     parser.add_argument(
@@ -361,9 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         ROUNDING_SHAPES = (("1 x 1, 4 forwards", 1, 1, 4), ("2 x 8", 2, 8, 1))
         args.rounds = 1
     sections = {name.strip() for name in args.section.split(",")}
-    unknown = sections - {"crossover", "forward", "rounding"}
+    unknown = sections - {"crossover", "forward", "rounding", "decisions"}
     if unknown:
-        parser.error(f"unknown section {sorted(unknown)}; choose from crossover, forward, rounding")
+        choices = "crossover, forward, rounding, decisions"
+        parser.error(f"unknown section {sorted(unknown)}; choose from {choices}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}", flush=True
     )
@@ -371,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     forward_rows = forward_section(args.checkpoint, args.rounds) if "forward" in sections else []
     rounding_rows = rounding_section(args.checkpoint) if "rounding" in sections else []
     print_tables(crossover_rows, forward_rows, rounding_rows)
+    if "decisions" in sections:
+        decisions_section(args.checkpoint)
     return 0
 
 

@@ -81,7 +81,9 @@ def biased(api: str, part: str, scale: float) -> Iterator[None]:
 
 
 def deep_llama() -> str:
-    """The 24-layer checkpoint of ``tests/test_verify_rounding.py``, saved to a scratch folder."""
+    """The 24-layer Llama with grouped-query attention (6 query, 2 key-value heads; weights of std
+    0.1, wide enough to round as a trained model) that ``tests/test_verify_rounding.py`` checks,
+    saved to a scratch folder."""
     from transformers import LlamaConfig
 
     tokenizer = models.load_tokenizer()

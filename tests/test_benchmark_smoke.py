@@ -801,5 +801,19 @@ def test_forward_in_place_prints_both_tables(
     assert all(float(cells[2]) > 0 for cells in rounding), rounding  # float32 is not float64
 
 
+@requires_hooked_transformer
+def test_forward_in_place_counts_the_decisions_of_a_forward(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On demand: the decisions one forward of the tiny Llama makes (its query, key and value
+    projections at least: two layers), and their cost, in bfloat16 and recorded float32."""
+    main = benchmark_module("forward_in_place").main
+    assert main(["--section", "decisions", "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.split("## decisions")[1]
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| tiny Llama | ")]
+    assert [row[1] for row in rows] == ["bfloat16", "float32"], out
+    assert all(int(row[3]) >= 6 and float(row[4]) > 0 for row in rows), rows
+
+
 def test_forward_in_place_refuses_an_unknown_section() -> None:
     assert "unknown section ['bogus']" in refusal("forward_in_place", "--section", "bogus")

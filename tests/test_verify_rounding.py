@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import safelens_tl
-from safelens_tl.verify import bridge, models, oracle, runner
-from tests.conftest import requires_bridge
+from safelens_tl.verify import bridge, oracle, runner
+from tests.conftest import benchmark_module, requires_bridge
 
 pytestmark = [requires_bridge, pytest.mark.release_independent]
 
@@ -28,25 +28,10 @@ _deep: list[Path] = []
 
 
 def deep_llama() -> Path:
-    """The deep checkpoint, saved once per test run."""
+    """The deep checkpoint (``benchmarks/verify_sensitivity.py`` measures the same one), saved
+    once per test run."""
     if not _deep:
-        from transformers import LlamaConfig
-
-        tokenizer = models.load_tokenizer()
-        config = LlamaConfig(
-            vocab_size=models.vocab_size(),
-            hidden_size=192,
-            intermediate_size=512,
-            num_hidden_layers=24,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            initializer_range=0.1,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        _deep.append(bridge.save_checkpoint(config, "deep-llama", tokenizer))
+        _deep.append(Path(benchmark_module("verify_sensitivity").deep_llama()))
     return _deep[0]
 
 
