@@ -10,8 +10,8 @@ attention; HookedTransformer rows what the cache entry's ``append`` returns.
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/verify_sensitivity.py \\
         [--api bridge|hooked] [--model llama-like-gqa|gpt2-like|deep|FOLDER] [--dtype float16,...]
 
-``deep`` is the 24-layer grouped-query Llama of ``tests/test_verify_rounding.py``. One JSON line per
-model and dtype.
+``deep`` is a 24-layer grouped-query Llama (``tests/test_verify_rounding.py`` checks the same one at
+12 layers). One JSON line per model and dtype.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def biased(api: str, part: str, scale: float) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def deep_llama() -> str:
-    """The 24-layer Llama with grouped-query attention (6 query, 2 key-value heads; weights of std
-    0.1, wide enough to round as a trained model) that ``tests/test_verify_rounding.py`` checks,
-    saved to a scratch folder."""
+def deep_llama(layers: int = 24) -> str:
+    """A deep Llama with grouped-query attention (6 query, 2 key-value heads; weights of std 0.1,
+    wide enough to round as a trained model), 24 layers unless said, saved to a scratch folder.
+    ``tests/test_verify_rounding.py`` checks it at 12 layers."""
     from transformers import LlamaConfig
 
     tokenizer = models.load_tokenizer()
@@ -91,7 +91,7 @@ def deep_llama() -> str:
         vocab_size=models.vocab_size(),
         hidden_size=192,
         intermediate_size=512,
-        num_hidden_layers=24,
+        num_hidden_layers=layers,
         num_attention_heads=6,
         num_key_value_heads=2,
         max_position_embeddings=256,

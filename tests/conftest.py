@@ -33,6 +33,8 @@ HAS_HOOKED_TRANSFORMER = LAYOUT.known.has_hooked_transformer
 
 HAS_BRIDGE = targets.has_bridge()
 
+#: Also gives the test the ``bridge`` mark (:func:`pytest_collection_modifyitems`), by which tox
+#: selects what runs where only transformers differs (``tl430-tf523``).
 requires_bridge = pytest.mark.skipif(
     not HAS_BRIDGE, reason=f"TransformerLens {RELEASE} has no TransformerBridge"
 )
@@ -187,6 +189,19 @@ def make_cfg(
         n_key_value_heads=n_key_value_heads,
         dtype=dtype,
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of TransformerBridge and its fixes (marked :data:`requires_bridge`, or in a
+    ``test_bridge_*`` module) get the ``bridge`` mark: transformers alone can change their
+    outcome."""
+    for item in items:
+        in_bridge_module = item.path.name.startswith("test_bridge_")
+        if in_bridge_module or any(
+            mark == requires_bridge.mark for mark in item.iter_markers("skipif")
+        ):
+            item.add_marker(pytest.mark.bridge)
 
 
 @pytest.fixture(autouse=True)

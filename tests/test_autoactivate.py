@@ -3,7 +3,8 @@
 Every check runs in a child ``python`` started from a scratch folder, so it sees safelens-tl as it
 is installed (editable in the dev venvs, a wheel under tox) and its ``safelens_tl.pth`` runs the
 way it does for users. No child imports safelens-tl before ``transformer_lens``: user code does not.
-The children that import TransformerLens are started together at module start, two at a time.
+The children that import TransformerLens (those of the selected tests) start together with the
+module, two at a time.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -255,9 +256,37 @@ def broken_plugin_site(folder: Path) -> Path:
     return site_folder
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reads(name: str) -> Callable[[F], F]:
+    """The child (a key of :func:`children`' plan) that the decorated test reads: only the children
+    of the tests selected in this run are started."""
+
+    def record(test: F) -> F:
+        test.child = name  # type: ignore[attr-defined]
+        return test
+
+    return record
+
+
+#: The children whose checks are the same for every release (the import machinery and the
+#: switches): their tests carry the ``release_independent`` mark, and run in ``tl430`` and the
+#: Python 3.12 environment; the others (the fixes installed, stock's behaviour) everywhere.
+hook_mechanics = pytest.mark.release_independent
+
+
 @pytest.fixture(scope="module")
-def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
-    """Every child of this module that imports TransformerLens, started in test order."""
+def children(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Results]:
+    """The children of this module's selected tests that import TransformerLens, started in test
+    order."""
+    wanted = {
+        getattr(item.function, "child", None)
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.module is request.module
+    }
     base = tmp_path_factory.mktemp("autoactivate")
     plan = {
         "plain": Child(plain_import(generate=HAS_HOOKED_TRANSFORMER)),
@@ -277,7 +306,7 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
             TRANSFORMER_LENS_FIRST, flags=("-S",), args=(str(installed_hook().parent),)
         ),
     }
-    with started(plan, base) as futures:
+    with started({name: child for name, child in plan.items() if name in wanted}, base) as futures:
         yield futures
 
 
@@ -366,6 +395,7 @@ def test_hook_imports_only_its_own_modules(tmp_path: Path) -> None:
     )
 
 
+@reads("plain")
 def test_plain_import_is_patched_and_generates_in_fp16(children: Results) -> None:
     out = result_of(children["plain"].result())
     assert set(out["before"]) <= STARTUP_MODULES, "something heavy ran before transformer_lens"
@@ -392,6 +422,7 @@ def test_plain_import_is_patched_and_generates_in_fp16(children: Results) -> Non
         assert out["generate"]["shape"] == [1, out["generate"]["prompt"] + 4]
 
 
+@reads("opt_out")
 def test_opt_out_leaves_stock_behaviour(children: Results) -> None:
     out = result_of(children["opt_out"].result())
     assert out["state"] == _startup.DISABLED
@@ -406,6 +437,8 @@ def test_opt_out_leaves_stock_behaviour(children: Results) -> None:
             assert "expected scalar type" in out["generate"]["error"], out["generate"]
 
 
+@hook_mechanics
+@reads("deactivate_first")
 def test_deactivate_before_the_import_is_not_undone_by_it(children: Results) -> None:
     out = result_of(children["deactivate_first"].result())
     assert out["state"] == _startup.DEACTIVATED
@@ -414,6 +447,8 @@ def test_deactivate_before_the_import_is_not_undone_by_it(children: Results) -> 
     assert out["explicit"] == [True, True], "an explicit activate() afterwards must still work"
 
 
+@hook_mechanics
+@reads("disabled")
 def test_fixes_named_in_the_environment_are_left_out_by_the_hook(children: Results) -> None:
     """Through the start-up hook: the named id and every fix of the named kind are ``disabled``
     by the variable, the others as usual; the unknown name is warned with the valid ones."""
@@ -442,11 +477,14 @@ def test_fixes_named_in_the_environment_are_left_out_by_the_hook(children: Resul
             assert "expected scalar type" in out["generate"]["error"], out["generate"]
 
 
+@hook_mechanics
+@reads("opt_out_later")
 def test_opt_out_set_after_start_up_is_honoured(children: Results) -> None:
     state, patched = result_of(children["opt_out_later"].result())
     assert state == _startup.DISABLED and not patched
 
 
+@reads("spawn")
 def test_spawn_child_is_patched_on_a_submodule_first_import(children: Results) -> None:
     assert ENTRY_MODULE.startswith("transformer_lens.")
     out = result_of(children["spawn"].result())
@@ -456,6 +494,8 @@ def test_spawn_child_is_patched_on_a_submodule_first_import(children: Results) -
     assert out["child"]["patched"]
 
 
+@hook_mechanics
+@reads("broken_plugin")
 def test_broken_entry_point_plugin_warns_and_the_built_in_fix_still_applies(
     children: Results,
 ) -> None:
@@ -468,6 +508,7 @@ def test_broken_entry_point_plugin_warns_and_the_built_in_fix_still_applies(
     assert out["append_patched"] and out["status"]["active"]
 
 
+@reads("explicit_first")
 def test_explicit_import_first_patches_each_attribute_once(children: Results) -> None:
     state, explicit, restored, failures = result_of(children["explicit_first"].result())
     assert state == _startup.ACTIVATED
@@ -476,6 +517,8 @@ def test_explicit_import_first_patches_each_attribute_once(children: Results) ->
     assert restored and failures == []
 
 
+@hook_mechanics
+@reads("tl_first")
 def test_hook_activates_at_once_when_transformer_lens_came_first(children: Results) -> None:
     hook_ran_before, state, patched = result_of(children["tl_first"].result())
     assert not hook_ran_before, "python -S must not have run the hook"
