@@ -270,6 +270,16 @@ def reads(name: str) -> Callable[[F], F]:
     return record
 
 
+def selected(request: pytest.FixtureRequest, plan: dict[str, Child]) -> dict[str, Child]:
+    """The children of ``plan`` that a selected test of the requesting module :func:`reads`."""
+    wanted = {
+        getattr(item.function, "child", None)
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.module is request.module
+    }
+    return {name: child for name, child in plan.items() if name in wanted}
+
+
 #: The children whose checks are the same for every release (the import machinery and the
 #: switches): their tests carry the ``release_independent`` mark, and run in ``tl430`` and the
 #: Python 3.12 environment; the others (the fixes installed, stock's behaviour) everywhere.
@@ -282,11 +292,6 @@ def children(
 ) -> Iterator[Results]:
     """The children of this module's selected tests that import TransformerLens, started in test
     order."""
-    wanted = {
-        getattr(item.function, "child", None)
-        for item in request.session.items
-        if isinstance(item, pytest.Function) and item.module is request.module
-    }
     base = tmp_path_factory.mktemp("autoactivate")
     plan = {
         "plain": Child(plain_import(generate=HAS_HOOKED_TRANSFORMER)),
@@ -306,7 +311,7 @@ def children(
             TRANSFORMER_LENS_FIRST, flags=("-S",), args=(str(installed_hook().parent),)
         ),
     }
-    with started({name: child for name, child in plan.items() if name in wanted}, base) as futures:
+    with started(selected(request, plan), base) as futures:
         yield futures
 
 

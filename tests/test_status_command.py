@@ -17,14 +17,17 @@ from safelens_tl import _startup, targets
 from safelens_tl.cli import status as status_command
 from safelens_tl.kv import storage as kv_storage
 from tests.conftest import HAS_BRIDGE
-from tests.test_autoactivate import Child, Results, started
+from tests.test_autoactivate import Child, Results, hook_mechanics, reads, selected, started
 
 SCRIPT = Path(sys.executable).with_name("safelens-tl")
 
 
 @pytest.fixture(scope="module")
-def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
-    """The installed console script, with the hook enabled and with the opt-out."""
+def children(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Results]:
+    """The installed console script, with the hook enabled, with the opt-out, piped, and with a
+    fix turned off (those the selected tests read)."""
     command = (str(SCRIPT), "status", "--json")
     plan = {
         "enabled": Child(command=command),
@@ -32,7 +35,7 @@ def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         "table": Child(command=(str(SCRIPT), "status")),
         "disabled": Child(command=command, env={_startup.DISABLE_VAR: "hooked_weight_copies"}),
     }
-    with started(plan, tmp_path_factory.mktemp("status")) as futures:
+    with started(selected(request, plan), tmp_path_factory.mktemp("status")) as futures:
         yield futures
 
 
@@ -47,6 +50,7 @@ def test_console_script_is_installed() -> None:
     assert SCRIPT.is_file(), f"{SCRIPT} missing: is safelens-tl installed in {sys.prefix}?"
 
 
+@reads("enabled")
 def test_status_json_shows_the_hook_and_what_it_patched(
     children: Results, patched: safelens_tl.activation.Status
 ) -> None:
@@ -81,6 +85,8 @@ def test_status_json_shows_the_hook_and_what_it_patched(
     assert report["cache"] == {"in_place_appends": True}  # torch 2.13 counts a storage's tensors
 
 
+@hook_mechanics
+@reads("opted_out")
 def test_status_json_with_the_opt_out(children: Results) -> None:
     code, report = report_of(children, "opted_out")
     assert code == status_command.EXIT_OK, report["problems"]
@@ -158,6 +164,7 @@ def test_hook_files_are_the_installed_pth() -> None:
         assert "import safelens_tl._startup" in Path(file).read_text()
 
 
+@reads("table")
 def test_piped_table_keeps_each_class_path_on_one_line(
     children: Results, patched: safelens_tl.activation.Status
 ) -> None:
@@ -170,6 +177,8 @@ def test_piped_table_keeps_each_class_path_on_one_line(
             assert target in completed.stdout, target
 
 
+@hook_mechanics
+@reads("disabled")
 def test_status_json_shows_a_fix_turned_off_and_by_what(children: Results) -> None:
     code, report = report_of(children, "disabled")
     assert code == status_command.EXIT_OK, report["problems"]
