@@ -9,9 +9,10 @@ attention; HookedTransformer rows what the cache entry's ``append`` returns.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/verify_sensitivity.py \\
         [--api bridge|hooked] [--model llama-like-gqa|gpt2-like|deep|FOLDER] [--dtype float16,...]
+        [--layers 24]
 
-``deep`` is a 24-layer grouped-query Llama (``tests/test_verify_rounding.py`` checks the same one at
-12 layers). One JSON line per model and dtype.
+``deep`` is a grouped-query Llama of ``--layers`` layers (24; ``tests/test_verify_rounding.py``
+checks it at 12). One JSON line per model and dtype.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def deep_llama(layers: int = 24) -> str:
     return str(bridge.save_checkpoint(config, "deep-llama", tokenizer))
 
 
-def measure(api: str, model: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The row's verdict, allowance and the smallest failing bias of keys and of values."""
+def measure(api: str, model: str, dtype: torch.dtype, layers: int = 24) -> dict[str, Any]:
+    """The row's verdict, allowance and the smallest failing bias of keys and of values
+    (``layers``: the depth of the ``deep`` model)."""
     start = time.perf_counter()
     cached_runs: Callable[[], list[tuple[float, float]]]
     if api == "hooked":
@@ -116,7 +118,7 @@ def measure(api: str, model: str, dtype: torch.dtype) -> dict[str, Any]:
             return [(run.max_rel_err, run.top1_agreement) for run in runs]
 
     else:
-        folder = deep_llama() if model == "deep" else model
+        folder = deep_llama(layers) if model == "deep" else model
         if model in bridge.BRIDGE_MODELS:
             folder = str(bridge.model_folder(model))
         row = runner._bridge_check(model, dtype, "cpu", folder=folder)
@@ -167,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", action="append", help="default: both built-in models")
     parser.add_argument("--dtype", default="float16,bfloat16")
+    parser.add_argument("--layers", type=int, default=24, help="the deep model's depth")
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error(f"--layers: expected at least 1; received {args.layers}")
     safelens_tl.activate()
     for model in args.model or sorted(models.BUILTIN_MODELS):
         for name in args.dtype.split(","):
             with runner.quietly():
-                line = measure(args.api, model, getattr(torch, name.strip()))
+                line = measure(args.api, model, getattr(torch, name.strip()), args.layers)
             print(json.dumps(line), flush=True)
     return 0
 

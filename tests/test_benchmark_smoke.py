@@ -817,3 +817,14 @@ def test_forward_in_place_counts_the_decisions_of_a_forward(
 
 def test_forward_in_place_refuses_an_unknown_section() -> None:
     assert "unknown section ['bogus']" in refusal("forward_in_place", "--section", "bogus")
+
+
+def test_verify_sensitivity_refuses_a_deep_model_without_layers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--layers`` sets the ``deep`` model's depth; below 1 it is a usage error, before any run."""
+    verify_sensitivity = benchmark_module("verify_sensitivity")
+    with pytest.raises(SystemExit) as exited:
+        verify_sensitivity.main(["--model", "deep", "--layers", "0"])
+    assert exited.value.code == 2
+    assert "--layers: expected at least 1; received 0" in capsys.readouterr().err

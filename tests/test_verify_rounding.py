@@ -27,7 +27,8 @@ pytestmark = [requires_bridge, pytest.mark.release_independent]
 HALF = (torch.float16, torch.bfloat16)
 #: Half the benchmark's 24 layers: a check takes half as long, and the model still rounds past
 #: both floors (float16: order 2.6e-3, allowance 5.3e-3 against 2e-3; bfloat16: allowance 3.2e-2
-#: against 8e-3), while keys 1% off stay 11x (float16) and 2.9x (bfloat16) over the allowance.
+#: against 8e-3), while keys 0.1% (float16) and 0.2% (bfloat16) off already fail
+#: (`benchmarks/verify_sensitivity.py --api bridge --model deep --layers 12`, docs/verify.md).
 DEPTH = 12
 _deep: list[Path] = []
 
