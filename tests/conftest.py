@@ -191,17 +191,25 @@ def make_cfg(
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests of TransformerBridge and its fixes (marked :data:`requires_bridge`, or in a
-    ``test_bridge_*`` module) get the ``bridge`` mark: transformers alone can change their
-    outcome."""
+#: The tests this run selected (after ``-m`` and ``-k``): fixtures that start child processes
+#: start only those the selected tests read.
+SELECTED = pytest.StashKey[list[pytest.Item]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
+    """Before ``-m`` deselects: the tests of TransformerBridge and its fixes (marked
+    :data:`requires_bridge`, or in a ``test_bridge_*`` module) get the ``bridge`` mark, since
+    transformers alone can change their outcome. After: :data:`SELECTED` holds what is left."""
     for item in items:
         in_bridge_module = item.path.name.startswith("test_bridge_")
         if in_bridge_module or any(
             mark == requires_bridge.mark for mark in item.iter_markers("skipif")
         ):
             item.add_marker(pytest.mark.bridge)
+    result = yield
+    config.stash[SELECTED] = list(items)
+    return result
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ import pytest
 
 from safelens_tl import _startup, targets
 from safelens_tl.fixes import FIXES
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT, SELECTED
 
 pytestmark = pytest.mark.startup
 
@@ -274,7 +274,7 @@ def selected(request: pytest.FixtureRequest, plan: dict[str, Child]) -> dict[str
     """The children of ``plan`` that a selected test of the requesting module :func:`reads`."""
     wanted = {
         getattr(item.function, "child", None)
-        for item in request.session.items
+        for item in request.config.stash[SELECTED]
         if isinstance(item, pytest.Function) and item.module is request.module
     }
     return {name: child for name, child in plan.items() if name in wanted}

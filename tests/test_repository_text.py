@@ -39,7 +39,7 @@ FORBIDDEN: dict[str, re.Pattern[str]] = {
 #: pytest's own uses of "session", removed from a line before it is searched.
 ALLOWED = re.compile(
     r"pytest[ -]sessions?\b|\bsession[- ]scoped\b|\bscope\s*=\s*[\"']session[\"']"
-    r"|\bsessionstart\b|\bsessionfinish\b|\brequest\.session\b",
+    r"|\bsessionstart\b|\bsessionfinish\b",
     re.I,
 )
 
@@ -76,7 +76,6 @@ def tracked_files() -> list[Path]:
         ("(upstream issue #1005, fixed in 3.1)", []),
         ("saved once per pytest session", []),
         ('@pytest.fixture(scope="session")', []),
-        ("for item in request.session.items", []),
         ("a session-scoped fixture builds it", []),
         ("the loop stops at the first end token", []),
     ],
