@@ -81,9 +81,13 @@ def biased(api: str, part: str, scale: float) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-def deep_llama(layers: int = 24) -> str:
+#: The ``deep`` model's depth unless ``--layers`` says otherwise.
+DEEP_LAYERS = 24
+
+
+def deep_llama(layers: int = DEEP_LAYERS) -> str:
     """A deep Llama with grouped-query attention (6 query, 2 key-value heads; weights of std 0.1,
-    wide enough to round as a trained model), 24 layers unless said, saved to a scratch folder.
+    wide enough to round as a trained model), saved to a scratch folder.
     ``tests/test_verify_rounding.py`` checks it at 12 layers."""
     from transformers import LlamaConfig
 
@@ -104,7 +108,7 @@ def deep_llama(layers: int = 24) -> str:
     return str(bridge.save_checkpoint(config, "deep-llama", tokenizer))
 
 
-def measure(api: str, model: str, dtype: torch.dtype, layers: int = 24) -> dict[str, Any]:
+def measure(api: str, model: str, dtype: torch.dtype, layers: int = DEEP_LAYERS) -> dict[str, Any]:
     """The row's verdict, allowance and the smallest failing bias of keys and of values
     (``layers``: the depth of the ``deep`` model)."""
     start = time.perf_counter()
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", action="append", help="default: both built-in models")
     parser.add_argument("--dtype", default="float16,bfloat16")
-    parser.add_argument("--layers", type=int, default=24, help="the deep model's depth")
+    parser.add_argument("--layers", type=int, default=DEEP_LAYERS, help="the deep model's depth")
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error(f"--layers: expected at least 1; received {args.layers}")
