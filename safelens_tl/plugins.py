@@ -9,6 +9,7 @@ becomes a :class:`Failure` that the caller turns into a warning and a ``status()
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -87,14 +88,50 @@ def _entry_points() -> Iterable[object]:
     return metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
 
 
+def _path_stamps() -> tuple[tuple[str, int], ...]:
+    """Each ``sys.path`` folder with the time it last changed: installing, upgrading or removing
+    a distribution adds or removes its ``.dist-info`` folder there, which changes that time."""
+    stamps = []
+    for entry in sys.path:
+        folder = os.path.abspath(entry or os.curdir)
+        try:
+            stamps.append((folder, os.stat(folder).st_mtime_ns))
+        except OSError:
+            stamps.append((folder, -1))
+    return tuple(stamps)
+
+
+#: The entry points found last, as (source, entry point), and the ``sys.path`` they were found on.
+_listed: tuple[tuple[tuple[str, int], ...], tuple[tuple[str, Any], ...]] | None = None
+_listed_lock = threading.Lock()
+
+
+def _sources() -> tuple[tuple[str, Any], ...]:
+    """The installed ``safelens_tl`` entry points, each with the name it is registered under.
+
+    Reading every distribution's metadata takes 10-15 ms, which each ``activate()`` would pay;
+    the list is read again whenever a ``sys.path`` folder has changed since (a distribution
+    installed or removed) or ``sys.path`` itself has.
+    """
+    global _listed
+    stamps = _path_stamps()
+    with _listed_lock:
+        if _listed is not None and _listed[0] == stamps:
+            return _listed[1]
+        sources = []
+        for entry_point in _entry_points():
+            name: str = entry_point.name  # type: ignore[attr-defined]
+            dist = getattr(entry_point, "dist", None)
+            sources.append((f"{dist.name}:{name}" if dist is not None else name, entry_point))
+        _listed = (stamps, tuple(sources))
+        return _listed[1]
+
+
 def load_entry_point_plugins(manager: pluggy.PluginManager) -> list[Failure]:
     """Register every installed ``safelens_tl`` entry point; return the ones that failed."""
     failures: list[Failure] = []
     seen: set[str] = set()
-    for entry_point in _entry_points():
-        name: str = entry_point.name  # type: ignore[attr-defined]
-        dist = getattr(entry_point, "dist", None)
-        source = f"{dist.name}:{name}" if dist is not None else name
+    for source, entry_point in _sources():
         # The same distribution can be visible twice (an editable install next to a wheel).
         if source in seen or manager.has_plugin(source):
             continue

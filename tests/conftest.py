@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import sys
@@ -224,6 +225,14 @@ def _restore_stock_after_test() -> Iterator[None]:
 #: from its first write, which is what tests of buffers, growth and copy-on-write need) or "small"
 #: (the default limit: the caches of these tiny models are appended with torch.cat).
 CACHE_MODES = {"buffer": 0, "small": kv_storage.SMALL_CACHE_BYTES}
+
+
+def pytest_collection_finish() -> None:
+    """Move what collection made (torch, transformers, TransformerLens, the test modules: about
+    half a million objects that live to the end) out of the garbage collector's reach: a full
+    collection (Python's own, and the forward guard's before each memory count) then walks only
+    what the tests have made since, 0.4 s less each time."""
+    gc.freeze()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -733,7 +733,7 @@ def test_a_benchmark_refuses_to_call_stock_patched_when_safelens_tl_does_not_act
     from safelens_tl import plugins
 
     kv_cache = benchmark_module("kv_cache")
-    monkeypatch.setattr(plugins, "_entry_points", lambda: [])
+    monkeypatch.setattr(plugins, "_sources", lambda: ())
     refused = pytest.raises(RuntimeError, match=r"did not activate.*entry-point")
     with pytest.warns(Warning), refused, kv_cache.patched(True):
         pytest.fail("the block ran although nothing was patched")

@@ -468,3 +468,34 @@ def test_the_cache_argument_reads_the_same_from_source_as_from_the_module(
     monkeypatch.delitem(sys.modules, module_name)
     from_source = bridge_cache._forward_parameters(targets.REFERENCE_ATTENTION) & names
     assert from_source == from_module != set()
+
+
+def test_a_module_s_source_is_parsed_again_only_when_its_file_changes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``activate()`` asks for the reference attention's parameters each time; the answer read
+    from its source is kept while the file is unchanged."""
+    import os
+
+    parses: list[int] = []
+    parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: parses.append(1) or parse(*a, **k))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "sl_reference_attention.py"
+
+    def write(parameter: str, stamp: int) -> None:
+        module.write_text(f"class Attention:\n    def forward(self, x, {parameter}=None): ...\n")
+        os.utime(module, ns=(stamp, stamp))
+
+    write("past_key_values", 10**18)
+    for _ in range(3):
+        names = bridge_cache._forward_parameters("sl_reference_attention.Attention")
+        assert names == {"self", "x", "past_key_values"}
+    assert len(parses) == 1
+    write("cache", 10**18 + 10**9)
+    assert bridge_cache._forward_parameters("sl_reference_attention.Attention") == {
+        "self",
+        "x",
+        "cache",
+    }
+    assert len(parses) == 2

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from safelens_tl.fixes.bridge import cache as bridge_cache
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE, SELECTED
+from tests.test_autoactivate import reads
 
 #: Whether stock TransformerBridge's cached generation is broken here (transformers >= 5.24).
 BRIDGE_BROKEN = HAS_BRIDGE and bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
@@ -106,24 +107,35 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, scratch: Path) -> dict[str, Future[Run]]:
-    """Start the children that import TransformerLens, two at a time."""
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, scratch: Path
+) -> dict[str, Future[Run]]:
+    """Start the children that import TransformerLens and a selected test :func:`reads`, two at
+    a time."""
+    wanted = {
+        getattr(item.function, "child", None)
+        for item in request.config.stash[SELECTED]
+        if isinstance(item, pytest.Function) and item.module is request.module
+    }
     folder = tmp_path_factory.mktemp("verify")
     pool = ThreadPoolExecutor(max_workers=2)
-    started = {
-        "default": pool.submit(verify, json_path=folder / "default.json", scratch=scratch),
-        "unknown model": pool.submit(
+    started = {}
+    if "default" in wanted:
+        started["default"] = pool.submit(verify, json_path=folder / "default.json", scratch=scratch)
+    if "unknown model" in wanted:
+        started["unknown model"] = pool.submit(
             verify, "--model", "no-such-org/no-such-model", quiet_warnings=True
-        ),
-    }
-    checkpoint = _local_checkpoint(folder / "my-llama-checkpoint")
-    started["folder"] = pool.submit(verify, "--model", str(checkpoint), json_path=STDOUT)
-    if RELEASE == "3.0.0" or BRIDGE_BROKEN:
+        )
+    if "folder" in wanted:
+        checkpoint = _local_checkpoint(folder / "my-llama-checkpoint")
+        started["folder"] = pool.submit(verify, "--model", str(checkpoint), json_path=STDOUT)
+    if "no patch" in wanted and (RELEASE == "3.0.0" or BRIDGE_BROKEN):
         started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
     pool.shutdown(wait=False)
     return started
 
 
+@reads("default")
 def test_default_run_writes_a_valid_report(runs: dict[str, Future[Run]]) -> None:
     run = runs["default"].result()
     report = run.report
@@ -151,6 +163,7 @@ def test_default_run_writes_a_valid_report(runs: dict[str, Future[Run]]) -> None
         assert report["control"]["loosest_tolerance"] == report["tolerances"]["bfloat16"]
 
 
+@reads("default")
 def test_default_run_leaves_no_temporary_folders(
     runs: dict[str, Future[Run]], scratch: Path
 ) -> None:
@@ -164,6 +177,7 @@ def test_default_run_leaves_no_temporary_folders(
 
 
 @pytest.mark.skipif(not HAS_BRIDGE, reason=f"TransformerLens {RELEASE} has no TransformerBridge")
+@reads("default")
 def test_default_run_checks_transformer_bridge_and_passes(runs: dict[str, Future[Run]]) -> None:
     run = runs["default"].result()
     assert run.code == 0, run.stdout + run.stderr
@@ -183,6 +197,7 @@ def test_default_run_checks_transformer_bridge_and_passes(runs: dict[str, Future
 @pytest.mark.skipif(
     not BRIDGE_BROKEN, reason="stock TransformerBridge is right with this transformers"
 )
+@reads("no patch")
 def test_no_patch_fails_the_bridge_and_says_why(runs: dict[str, Future[Run]]) -> None:
     run = runs["no patch"].result()
     assert run.code == 1, run.stdout + run.stderr
@@ -197,6 +212,7 @@ def test_no_patch_fails_the_bridge_and_says_why(runs: dict[str, Future[Run]]) ->
 
 
 @pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="no HookedTransformer to generate with")
+@reads("default")
 def test_default_run_passes_where_hooked_transformer_exists(runs: dict[str, Future[Run]]) -> None:
     run = runs["default"].result()
     assert run.code == 0, run.stdout + run.stderr
@@ -212,6 +228,7 @@ def test_default_run_passes_where_hooked_transformer_exists(runs: dict[str, Futu
 
 
 @pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="only releases without HookedTransformer")
+@reads("default")
 def test_without_hooked_transformer_the_cache_classes_pass_and_gaps_are_named(
     runs: dict[str, Future[Run]],
 ) -> None:
@@ -223,6 +240,7 @@ def test_without_hooked_transformer_the_cache_classes_pass_and_gaps_are_named(
 
 
 @pytest.mark.skipif(RELEASE != "3.0.0", reason="the dtype regression is TransformerLens 3.0.0's")
+@reads("no patch")
 def test_no_patch_on_300_fails_in_float16_and_bfloat16(runs: dict[str, Future[Run]]) -> None:
     run = runs["no patch"].result()
     assert run.code == 1, run.stdout + run.stderr
@@ -241,6 +259,7 @@ def _assert_one_clear_line(run: Run, *words: str) -> None:
         assert word in lines[0]
 
 
+@reads("unknown model")
 def test_unknown_offline_model_is_one_line_and_exit_2(runs: dict[str, Future[Run]]) -> None:
     run = runs["unknown model"].result()
     _assert_one_clear_line(run, "no-such-org/no-such-model", "offline")
@@ -321,12 +340,14 @@ def test_a_usage_error_comes_before_torch_is_imported() -> None:
     assert "unknown dtype 'float8'" in done.stderr
 
 
+@reads("default")
 def test_the_timing_columns_are_labelled_indicative(runs: dict[str, Future[Run]]) -> None:
     run = runs["default"].result()
     assert "speed-up*" in run.stdout
     assert "* indicative only" in run.stdout
 
 
+@reads("folder")
 def test_a_local_checkpoint_folder_is_verified(runs: dict[str, Future[Run]]) -> None:
     """``--model FOLDER``: converted to a HookedTransformer on 2.x/3.x, booted through
     TransformerBridge where there is no HookedTransformer (4.x)."""
@@ -376,6 +397,7 @@ def _shape(lines: list[str]) -> str:
 
 
 @pytest.mark.docs
+@reads("default")
 def test_the_documented_sample_output_is_what_this_release_prints(
     runs: dict[str, Future[Run]],
 ) -> None:

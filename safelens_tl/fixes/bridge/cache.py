@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,8 +83,28 @@ def _forward_parameters(dotted_class: str) -> set[str]:
         return set()
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return set()
-    with open(spec.origin, encoding="utf-8") as source:
-        tree = ast.parse(source.read())
+    try:
+        stamp = os.stat(spec.origin).st_mtime_ns
+    except OSError:
+        return set()
+    # Parsing modeling_llama takes 5-10 ms and every activate() asks: the answer is kept for as
+    # long as the file is unchanged.
+    key = (dotted_class, spec.origin, stamp)
+    if key not in _parsed_parameters:
+        with open(spec.origin, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
+        _parsed_parameters[key] = frozenset(_class_forward_arguments(tree, class_name))
+    return set(_parsed_parameters[key])
+
+
+#: ``forward``'s parameter names read from a module's source, by (class, file, modification time).
+_parsed_parameters: dict[tuple[str, str, int], frozenset[str]] = {}
+
+
+def _class_forward_arguments(tree: Any, class_name: str) -> set[str]:
+    """The parameter names of ``class_name.forward`` in a parsed module; empty if it has none."""
+    import ast
+
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             for item in node.body:
