@@ -8,9 +8,9 @@ import importlib
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -195,6 +195,30 @@ def make_cfg(
 #: The tests this run selected (after ``-m`` and ``-k``): fixtures that start child processes
 #: start only those the selected tests read.
 SELECTED = pytest.StashKey[list[pytest.Item]]()
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+
+def reads(name: str) -> Callable[[F], F]:
+    """The child process (a key of its module's plan, see :func:`selected`) that the decorated
+    test reads: only the children of the tests selected in this run are started."""
+
+    def record(test: F) -> F:
+        test.child = name  # type: ignore[attr-defined]
+        return test
+
+    return record
+
+
+def selected(request: pytest.FixtureRequest, plan: dict[str, T]) -> dict[str, T]:
+    """The entries of ``plan`` that a selected test of the requesting module :func:`reads`."""
+    wanted = {
+        getattr(item.function, "child", None)
+        for item in request.config.stash[SELECTED]
+        if isinstance(item, pytest.Function) and item.module is request.module
+    }
+    return {name: entry for name, entry in plan.items() if name in wanted}
 
 
 @pytest.hookimpl(wrapper=True)

@@ -17,18 +17,18 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from safelens_tl import _startup, targets
 from safelens_tl.fixes import FIXES
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT, SELECTED
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, LAYOUT, reads, selected
 
 pytestmark = pytest.mark.startup
 
@@ -254,30 +254,6 @@ def broken_plugin_site(folder: Path) -> Path:
     module = site_folder / "broken_plugin_module.py"
     module.write_text("raise RuntimeError('broken on purpose')\n")
     return site_folder
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def reads(name: str) -> Callable[[F], F]:
-    """The child (a key of :func:`children`' plan) that the decorated test reads: only the children
-    of the tests selected in this run are started."""
-
-    def record(test: F) -> F:
-        test.child = name  # type: ignore[attr-defined]
-        return test
-
-    return record
-
-
-def selected(request: pytest.FixtureRequest, plan: dict[str, Child]) -> dict[str, Child]:
-    """The children of ``plan`` that a selected test of the requesting module :func:`reads`."""
-    wanted = {
-        getattr(item.function, "child", None)
-        for item in request.config.stash[SELECTED]
-        if isinstance(item, pytest.Function) and item.module is request.module
-    }
-    return {name: child for name, child in plan.items() if name in wanted}
 
 
 #: The children whose checks are the same for every release (the import machinery and the

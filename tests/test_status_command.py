@@ -16,8 +16,8 @@ import safelens_tl
 from safelens_tl import _startup, targets
 from safelens_tl.cli import status as status_command
 from safelens_tl.kv import storage as kv_storage
-from tests.conftest import HAS_BRIDGE
-from tests.test_autoactivate import Child, Results, hook_mechanics, reads, selected, started
+from tests.conftest import HAS_BRIDGE, reads, selected
+from tests.test_autoactivate import Child, Results, hook_mechanics, started
 
 SCRIPT = Path(sys.executable).with_name("safelens-tl")
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,7 @@ from typing import Any
 import pytest
 
 from safelens_tl.fixes.bridge import cache as bridge_cache
-from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE, SELECTED
-from tests.test_autoactivate import reads
+from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE, reads, selected
 
 #: Whether stock TransformerBridge's cached generation is broken here (transformers >= 5.24).
 BRIDGE_BROKEN = HAS_BRIDGE and bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
@@ -112,25 +112,20 @@ def runs(
 ) -> dict[str, Future[Run]]:
     """Start the children that import TransformerLens and a selected test :func:`reads`, two at
     a time."""
-    wanted = {
-        getattr(item.function, "child", None)
-        for item in request.config.stash[SELECTED]
-        if isinstance(item, pytest.Function) and item.module is request.module
-    }
     folder = tmp_path_factory.mktemp("verify")
+    plan: dict[str, Callable[[], Run]] = {
+        "default": lambda: verify(json_path=folder / "default.json", scratch=scratch),
+        "unknown model": lambda: verify(
+            "--model", "no-such-org/no-such-model", quiet_warnings=True
+        ),
+        "folder": lambda: verify(
+            "--model", str(_local_checkpoint(folder / "my-llama-checkpoint")), json_path=STDOUT
+        ),
+    }
+    if RELEASE == "3.0.0" or BRIDGE_BROKEN:
+        plan["no patch"] = lambda: verify("--no-patch", json_path=folder / "stock.json")
     pool = ThreadPoolExecutor(max_workers=2)
-    started = {}
-    if "default" in wanted:
-        started["default"] = pool.submit(verify, json_path=folder / "default.json", scratch=scratch)
-    if "unknown model" in wanted:
-        started["unknown model"] = pool.submit(
-            verify, "--model", "no-such-org/no-such-model", quiet_warnings=True
-        )
-    if "folder" in wanted:
-        checkpoint = _local_checkpoint(folder / "my-llama-checkpoint")
-        started["folder"] = pool.submit(verify, "--model", str(checkpoint), json_path=STDOUT)
-    if "no patch" in wanted and (RELEASE == "3.0.0" or BRIDGE_BROKEN):
-        started["no patch"] = pool.submit(verify, "--no-patch", json_path=folder / "stock.json")
+    started = {name: pool.submit(start) for name, start in selected(request, plan).items()}
     pool.shutdown(wait=False)
     return started
 
