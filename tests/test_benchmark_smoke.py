@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from tests.conftest import (
     benchmark_module,
     requires_hooked_transformer,
 )
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.benchmark
 
@@ -40,14 +40,7 @@ BENCHMARK = BENCHMARKS / "kv_cache.py"
 def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     """Run ``benchmarks/<name>`` offline, with auto-activation off, and capture its output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAFELENS_TL_AUTOPATCH": "0"}
-    return subprocess.run(
-        [sys.executable, str(BENCHMARK.parent / name), *arguments],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_python([str(BENCHMARK.parent / name), *arguments], env=env, timeout=300)
 
 
 def refusal(script: str, *arguments: str) -> str:

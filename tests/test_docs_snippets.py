@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.docs
 
@@ -162,14 +161,7 @@ def test_snippet_runs_as_written(
         cache = request.getfixturevalue("gpt2_hub_cache")
         environment.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf-home"))
     code = ("import safelens_tl.patch\n" if snippet.patched else "") + snippet.code
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=environment,
-    )
+    done = run_python(["-c", code], cwd=tmp_path, timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-3000:]
     if snippet.output is not None:
         assert done.stdout.strip() == snippet.output.strip(), done.stdout

@@ -5,13 +5,12 @@ with one line naming the releases it is for."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.docs
 
@@ -39,14 +38,7 @@ def test_no_example_uses_the_verifier_s_private_helpers_for_transformer_bridge()
 @pytest.mark.parametrize("name", sorted(NEEDS))
 def test_example_runs(name: str) -> None:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        check=False,
-        timeout=300,
-    )
+    completed = run_python([str(EXAMPLES / name)], env=environment, timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
     output = completed.stdout.strip()
     available, releases = NEEDS[name]

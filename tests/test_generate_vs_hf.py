@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import BENCHMARKS, HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, benchmark_module
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.benchmark
 
@@ -21,14 +21,7 @@ SCRIPT = BENCHMARKS / "generate_vs_hf.py"
 def run_benchmark(*arguments: str) -> subprocess.CompletedProcess[str]:
     """The benchmark, offline, with one thread."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *arguments],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return run_python([str(SCRIPT), *arguments], env=env, timeout=600)
 
 
 def test_quick_run_on_a_tiny_llama_reports_every_api(tmp_path: Path) -> None:
@@ -109,9 +102,8 @@ def test_forward_alternating_prints_the_ratio(tmp_path: Path) -> None:
     generate_vs_hf = benchmark_module("generate_vs_hf")
     folder = generate_vs_hf.build_checkpoint("tiny", None, tmp_path / "checkpoint")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
+    done = run_python(
         [
-            sys.executable,
             str(BENCHMARKS / "forward_alternating.py"),
             "--checkpoint",
             str(folder),
@@ -123,10 +115,7 @@ def test_forward_alternating_prints_the_ratio(tmp_path: Path) -> None:
             "2",
         ],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("2x8 float32: stock ")]

@@ -1,4 +1,5 @@
-"""``safelens-tl verify`` end to end: ``python -m safelens_tl verify`` in child processes.
+"""``safelens-tl verify`` end to end: ``python -m safelens_tl verify`` in child processes, forked
+from a warm interpreter (``tests/warm_python.py``).
 
 The children that import TransformerLens start together when the module is loaded, two at a time,
 so their imports overlap; the usage errors that never import it run on their own.
@@ -20,6 +21,7 @@ import pytest
 
 from safelens_tl.fixes.bridge import cache as bridge_cache
 from tests.conftest import HAS_BRIDGE, HAS_HOOKED_TRANSFORMER, RELEASE, reads, selected
+from tests.warm_python import run_python
 
 #: Whether stock TransformerBridge's cached generation is broken here (transformers >= 5.24).
 BRIDGE_BROKEN = HAS_BRIDGE and bridge_cache.attention_cache_argument() == bridge_cache.NEW_NAME
@@ -63,23 +65,19 @@ def verify(
     scratch: Path | None = None,
     hub_cache: Path | None = None,
 ) -> Run:
-    """Run ``python -m safelens_tl verify ARGUMENTS`` and collect what it left.
+    """Run ``python -m safelens_tl verify ARGUMENTS`` (a warm child: ``tests/warm_python.py``)
+    and collect what it left.
 
     ``scratch``: the child's temporary-files folder (``TMPDIR``); ``hub_cache``: its Hugging Face
     Hub cache (``HF_HUB_CACHE``).
     """
-    command = [sys.executable, "-m", "safelens_tl", "verify", *arguments]
+    command = ["-m", "safelens_tl", "verify", *arguments]
     if json_path == STDOUT:
         command += ["--json"]
     elif json_path is not None:
         command += ["--json", str(json_path)]
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=_environment(quiet_warnings, scratch, hub_cache),
+    done = run_python(
+        command, timeout=300, cwd=REPO, env=_environment(quiet_warnings, scratch, hub_cache)
     )
     report = None
     if json_path == STDOUT:
