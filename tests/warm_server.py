@@ -58,7 +58,6 @@ def _become_child(request: dict[str, Any]) -> NoReturn:
     # A main module of its own, as a fresh interpreter has: -m runs the module's code in it.
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
-    server_module = sys.modules["__main__"]  # noqa: F841  # kept: its globals serve this function
     sys.modules["__main__"] = main
     try:
         if kind == "-c":
@@ -109,8 +108,16 @@ def serve(address: str) -> None:
                 return
             connection, _ = listener.accept()
             message, fds, _, _ = socket.recv_fds(connection, LARGEST_REQUEST, 3)
-            while not message.endswith(b"\n"):
-                message += connection.recv(LARGEST_REQUEST)
+            while message and not message.endswith(b"\n"):
+                more = connection.recv(LARGEST_REQUEST)
+                if not more:  # the client left before its request ended
+                    break
+                message += more
+            if not message.endswith(b"\n") or len(fds) != 3:  # nothing to run
+                for fd in fds:
+                    os.close(fd)
+                connection.close()
+                continue
             request = json.loads(message)
             sys.stdout.flush()
             sys.stderr.flush()
