@@ -370,13 +370,44 @@ def _boot_unless_stock_cannot(folder: Path) -> Any:
         raise
 
 
+MediaSetup = tuple[Any, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any]
+
+#: What :func:`_bridge_with_media_prompt` prepared, or the skip it raised, per architecture and
+#: medium: the tests of one architecture share its bridge, as the property tests do (generating
+#: changes no weight; a user also generates many times from one model), and the copy, the boot
+#: and Hugging Face's two reference generations happen once instead of four times.
+_prepared: dict[tuple[str, bool], MediaSetup | pytest.skip.Exception] = {}
+
+
+@pytest.fixture(scope="module")
+def media_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this module's checkpoint copies live, for as long as the bridges booted from them."""
+    return tmp_path_factory.mktemp("media")
+
+
 def _bridge_with_media_prompt(
     architecture: str, destination: Path, video: bool = False
-) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any]:
+) -> MediaSetup:
+    """:func:`_prepare_media_prompt` once per ``architecture`` and ``video``; ``destination``
+    must outlive the module (:func:`media_folders`)."""
+    key = (architecture, video)
+    if key not in _prepared:
+        try:
+            _prepared[key] = _prepare_media_prompt(architecture, destination / str(video), video)
+        except pytest.skip.Exception as skip:
+            _prepared[key] = skip
+    prepared = _prepared[key]
+    if isinstance(prepared, pytest.skip.Exception):
+        raise prepared
+    return prepared
+
+
+def _prepare_media_prompt(architecture: str, destination: Path, video: bool) -> MediaSetup:
     """The bridge of the tiny ``architecture`` with its media tokens in the vocabulary, a prompt
     with an image or a sound (with ``video``, a video), the inputs that carry it, the tokens
     Hugging Face's own ``generate`` picks for it (which the media changes), and Hugging Face's
     model."""
+    destination.mkdir(exist_ok=True)
     if architecture in NEEDS_TORCHVISION:
         pytest.importorskip("torchvision")
     folder = _with_media_tokens_in_the_vocabulary(architecture, destination, video)
@@ -398,13 +429,15 @@ def _bridge_with_media_prompt(
 
 @pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
 def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_face_does(
-    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
+    architecture: str, media_folders: Path, patched: safelens_tl.activation.Status
 ) -> None:
     """``generate`` and ``hf_generate`` with ``pixel_values`` (or ``input_features``), cached,
     pick Hugging Face's own tokens, which the image (or sound) changes. (Stock Llava and the
     audio-text models fail this with transformers 5.25: the cache is ignored, and every step
     after the prompt's forward sees neither the image nor the text.)"""
-    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(
+        architecture, media_folders
+    )
     generated = model.generate(prompt, use_past_kv_cache=True, **BRIDGE_GREEDY, **inputs)
     assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
     greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
@@ -420,14 +453,14 @@ def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_f
 
 @pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
 def test_an_uncached_generate_sees_the_image_or_sound_at_every_step(
-    architecture: str, tmp_path: Path, patched: safelens_tl.activation.Status
+    architecture: str, media_folders: Path, patched: safelens_tl.activation.Status
 ) -> None:
     """``generate(use_past_kv_cache=False)`` with an image (or a sound) picks Hugging Face's own
     tokens: every step, which runs the whole sequence again, gets the image and its per-token
     inputs, extended (stock TransformerLens 3.9 and 4.3 give them to the first step only). Where
     the tiny model picks its own image token, Hugging Face's uncached ``generate`` raises, and so
     does the bridge's."""
-    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, media_folders)
     _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_cache=False)
 
 
@@ -486,13 +519,13 @@ def _left_padded_batch(
 def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_does(
     architecture: str,
     use_past_kv_cache: bool,
-    tmp_path: Path,
+    media_folders: Path,
     patched: safelens_tl.activation.Status,
 ) -> None:
     """Two prompts of different lengths, each with its own image (or sound), left-padded, with
     their ``attention_mask``: ``generate`` picks Hugging Face's tokens for both, cached and
     uncached (Hugging Face's generate cached, and uncached)."""
-    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, tmp_path)
+    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, media_folders)
     if "attention_mask" not in inspect.signature(model.generate).parameters:
         pytest.skip("this TransformerBridge.generate takes no attention_mask")
     batch, mask, both = _left_padded_batch(prompt, inputs)
@@ -506,14 +539,14 @@ def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_doe
 def test_a_bridge_generates_from_a_video_as_hugging_face_does(
     architecture: str,
     use_past_kv_cache: bool,
-    tmp_path: Path,
+    media_folders: Path,
     patched: safelens_tl.activation.Status,
 ) -> None:
     """``generate`` with ``pixel_values_videos`` and ``video_grid_thw`` picks Hugging Face's
     own tokens, which the video changes, cached and uncached. (Stock: the cached Qwen2.5-VL and
     Qwen3-VL raise at the second step, as with an image; the rest pick other tokens.)"""
     model, prompt, inputs, _, reference = _bridge_with_media_prompt(
-        architecture, tmp_path, video=True
+        architecture, media_folders, video=True
     )
     _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_past_kv_cache)
 
