@@ -48,6 +48,7 @@ def test_a_cache_1_percent_off_fails_transformer_bridge_rows(
     reference = bridge.reference_model(name, dtype)
     prompts = bridge.BATCHES[2]
     tolerance = checks.TOLERANCES[dtype]
-    assert bridge.run_batch(model, reference, prompts).max_rel_err <= tolerance
+    # Only the cached logits against the bridge's own uncached forward are read here.
+    assert bridge.run_batch(model, reference, prompts, hf_generate=False).max_rel_err <= tolerance
     corrupt_past["part"] = part
-    assert bridge.run_batch(model, reference, prompts).max_rel_err > tolerance
+    assert bridge.run_batch(model, reference, prompts, hf_generate=False).max_rel_err > tolerance
