@@ -597,10 +597,9 @@ def bench_generate(
         )
         paired, paired_interval = paired_median(samples["stock"], samples["patched"])
         same, same_interval = paired_median(samples["stock"], samples["stock again"])
-        named = label == "long" or short_model_name == "gpt2-like"
         results.generate.append(
             {
-                "context": label if named else f"{label}, {short_model_name}",
+                "context": row_context(label, short_model_name),
                 "prompt": prompt,
                 "new": new,
                 "batch": batch,
@@ -625,6 +624,13 @@ def _short_only(sizes: Sizes, short: bool) -> Sizes:
 #: Untimed generations a fresh process runs first: the first call pays for lazy set-up, and
 #: Python specializes its bytecode over the next few calls.
 PROCESS_WARM_UPS = 3
+
+
+def row_context(label: str, short_model_name: str) -> str:
+    """A ``generate`` row's context: its label, and the model of a short one where it is not the
+    default (``--short-model``)."""
+    named = label == "long" or short_model_name == "gpt2-like"
+    return label if named else f"{label}, {short_model_name}"
 
 
 def generate_child(variant: str, sizes: Sizes, clock: str, short_model_name: str) -> None:
@@ -730,7 +736,8 @@ def bench_generate_in_processes(
             pair[name] = json.loads(done.stdout.strip().splitlines()[-1])
         per_pair.append(pair)
     rounds = {size[0]: size[4] for size in sizes.generations}
-    results.generate.extend(combine_processes(per_pair, rounds, clock))
+    for row in combine_processes(per_pair, rounds, clock):
+        results.generate.append({**row, "context": row_context(row["context"], short_model_name)})
     bench_generate(_short_only(sizes, short=False), results, clock, short_model_name)
 
 

@@ -152,17 +152,27 @@ def test_benchmark_refuses_zero_rounds() -> None:
     assert "--short-rounds: expected at least 1; received 0" in error
 
 
-@requires_hooked_transformer
-def test_the_short_generations_run_on_the_chosen_model(tmp_path: Path) -> None:
-    """``--short-model llama-like-gqa``: the short rows name the rotary model; the long row
-    keeps its own model."""
-    output = tmp_path / "generate.json"
+@pytest.fixture(scope="module")
+def generate_in_processes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``--only generate --processes 2 --short-model llama-like-gqa``, run once for the tests
+    below (the children must get the short model too): its ``generate`` rows by context."""
+    output = tmp_path_factory.mktemp("generate") / "generate.json"
     done = run_script(
         "kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "2",
-        "--short-model", "llama-like-gqa", "--json", str(output),
+        "--processes", "2", "--short-model", "llama-like-gqa", "--json", str(output),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    contexts = [row["context"] for row in json.loads(output.read_text())["generate"]]
+    assert "medians over 2 pairs of fresh processes" in done.stdout
+    return {row["context"]: row for row in json.loads(output.read_text())["generate"]}
+
+
+@requires_hooked_transformer
+def test_the_short_generations_run_on_the_chosen_model(
+    generate_in_processes: dict[str, dict[str, Any]],
+) -> None:
+    """``--short-model llama-like-gqa``: the short rows name the rotary model, in the processes of
+    ``--processes`` too; the long row keeps its own model."""
+    contexts = list(generate_in_processes)
     assert "short, llama-like-gqa" in contexts and "long" in contexts, contexts
     assert "--short-model" in refusal("kv_cache", "--quick", "--short-model", "gpt9")
 
@@ -173,25 +183,20 @@ def test_benchmark_refuses_zero_processes() -> None:
 
 
 @requires_hooked_transformer
-def test_processes_measure_the_short_generations_in_fresh_processes(tmp_path: Path) -> None:
+def test_processes_measure_the_short_generations_in_fresh_processes(
+    generate_in_processes: dict[str, dict[str, Any]],
+) -> None:
     """``--processes 2``: each short row is the median over two pairs of fresh processes; the
     long row is measured once, in this process, as without the option."""
-    output = tmp_path / "generate.json"
-    done = run_script(
-        "kv_cache.py", "--quick", "--only", "generate", "--short-rounds", "2",
-        "--processes", "2", "--json", str(output),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {row["context"]: row for row in json.loads(output.read_text())["generate"]}
-    assert list(rows) == ["short", "shortest", "long"]
-    for label in ("short", "shortest"):
+    rows = generate_in_processes
+    assert list(rows) == ["short, llama-like-gqa", "shortest, llama-like-gqa", "long"], list(rows)
+    for label in ("short, llama-like-gqa", "shortest, llama-like-gqa"):
         row = rows[label]
         assert row["processes"] == 2 and row["rounds"] == 2
         low, high = sorted(row["process_paired"])
         assert row["paired"] == pytest.approx((low + high) / 2)
         assert row["paired_interval"] == [low, high]
     assert "processes" not in rows["long"]
-    assert "medians over 2 pairs of fresh processes" in done.stdout
 
 
 @requires_hooked_transformer
