@@ -30,6 +30,7 @@ import copy
 import inspect
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -371,35 +372,33 @@ def _boot_unless_stock_cannot(folder: Path) -> Any:
 
 
 MediaSetup = tuple[Any, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any]
-
-#: What :func:`_bridge_with_media_prompt` prepared, or the skip it raised, per architecture and
-#: medium: the tests of one architecture share its bridge, as the property tests do (generating
-#: changes no weight; a user also generates many times from one model), and the copy, the boot
-#: and Hugging Face's two reference generations happen once instead of four times.
-_prepared: dict[tuple[str, bool], MediaSetup | pytest.skip.Exception] = {}
+PrepareMedia = Callable[..., MediaSetup]
 
 
 @pytest.fixture(scope="module")
-def media_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where this module's checkpoint copies live, for as long as the bridges booted from them."""
-    return tmp_path_factory.mktemp("media")
+def media_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrepareMedia]:
+    """:func:`_prepare_media_prompt` once per architecture and medium for this module's tests, or
+    the skip it raised: the tests of one architecture share its bridge, as the property tests do
+    (generating changes no weight; a user also generates many times from one model), and the
+    copy, the boot and Hugging Face's two reference generations happen once instead of four
+    times. Released when the module is done."""
+    base = tmp_path_factory.mktemp("media")
+    prepared: dict[tuple[str, bool], MediaSetup | pytest.skip.Exception] = {}
 
+    def prepare(architecture: str, video: bool = False) -> MediaSetup:
+        key = (architecture, video)
+        if key not in prepared:
+            try:
+                prepared[key] = _prepare_media_prompt(architecture, base / str(video), video)
+            except pytest.skip.Exception as skip:
+                prepared[key] = skip
+        found = prepared[key]
+        if isinstance(found, pytest.skip.Exception):
+            raise found
+        return found
 
-def _bridge_with_media_prompt(
-    architecture: str, destination: Path, video: bool = False
-) -> MediaSetup:
-    """:func:`_prepare_media_prompt` once per ``architecture`` and ``video``; ``destination``
-    must outlive the module (:func:`media_folders`)."""
-    key = (architecture, video)
-    if key not in _prepared:
-        try:
-            _prepared[key] = _prepare_media_prompt(architecture, destination / str(video), video)
-        except pytest.skip.Exception as skip:
-            _prepared[key] = skip
-    prepared = _prepared[key]
-    if isinstance(prepared, pytest.skip.Exception):
-        raise prepared
-    return prepared
+    yield prepare
+    prepared.clear()
 
 
 def _prepare_media_prompt(architecture: str, destination: Path, video: bool) -> MediaSetup:
@@ -429,15 +428,13 @@ def _prepare_media_prompt(architecture: str, destination: Path, video: bool) -> 
 
 @pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
 def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_face_does(
-    architecture: str, media_folders: Path, patched: safelens_tl.activation.Status
+    architecture: str, media_setup: PrepareMedia, patched: safelens_tl.activation.Status
 ) -> None:
     """``generate`` and ``hf_generate`` with ``pixel_values`` (or ``input_features``), cached,
     pick Hugging Face's own tokens, which the image (or sound) changes. (Stock Llava and the
     audio-text models fail this with transformers 5.25: the cache is ignored, and every step
     after the prompt's forward sees neither the image nor the text.)"""
-    model, prompt, inputs, expected, reference = _bridge_with_media_prompt(
-        architecture, media_folders
-    )
+    model, prompt, inputs, expected, reference = media_setup(architecture)
     generated = model.generate(prompt, use_past_kv_cache=True, **BRIDGE_GREEDY, **inputs)
     assert generated[:, -NEW_TOKENS:].tolist() == expected.tolist()
     greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_type": "tokens"}
@@ -453,14 +450,14 @@ def test_a_bridge_generates_from_an_image_or_a_sound_with_the_cache_as_hugging_f
 
 @pytest.mark.parametrize("architecture", IMAGE_MODELS + AUDIO_MODELS)
 def test_an_uncached_generate_sees_the_image_or_sound_at_every_step(
-    architecture: str, media_folders: Path, patched: safelens_tl.activation.Status
+    architecture: str, media_setup: PrepareMedia, patched: safelens_tl.activation.Status
 ) -> None:
     """``generate(use_past_kv_cache=False)`` with an image (or a sound) picks Hugging Face's own
     tokens: every step, which runs the whole sequence again, gets the image and its per-token
     inputs, extended (stock TransformerLens 3.9 and 4.3 give them to the first step only). Where
     the tiny model picks its own image token, Hugging Face's uncached ``generate`` raises, and so
     does the bridge's."""
-    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, media_folders)
+    model, prompt, inputs, _, reference = media_setup(architecture)
     _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_cache=False)
 
 
@@ -519,13 +516,13 @@ def _left_padded_batch(
 def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_does(
     architecture: str,
     use_past_kv_cache: bool,
-    media_folders: Path,
+    media_setup: PrepareMedia,
     patched: safelens_tl.activation.Status,
 ) -> None:
     """Two prompts of different lengths, each with its own image (or sound), left-padded, with
     their ``attention_mask``: ``generate`` picks Hugging Face's tokens for both, cached and
     uncached (Hugging Face's generate cached, and uncached)."""
-    model, prompt, inputs, _, reference = _bridge_with_media_prompt(architecture, media_folders)
+    model, prompt, inputs, _, reference = media_setup(architecture)
     if "attention_mask" not in inspect.signature(model.generate).parameters:
         pytest.skip("this TransformerBridge.generate takes no attention_mask")
     batch, mask, both = _left_padded_batch(prompt, inputs)
@@ -539,15 +536,13 @@ def test_a_left_padded_batch_with_images_or_sounds_generates_as_hugging_face_doe
 def test_a_bridge_generates_from_a_video_as_hugging_face_does(
     architecture: str,
     use_past_kv_cache: bool,
-    media_folders: Path,
+    media_setup: PrepareMedia,
     patched: safelens_tl.activation.Status,
 ) -> None:
     """``generate`` with ``pixel_values_videos`` and ``video_grid_thw`` picks Hugging Face's
     own tokens, which the video changes, cached and uncached. (Stock: the cached Qwen2.5-VL and
     Qwen3-VL raise at the second step, as with an image; the rest pick other tokens.)"""
-    model, prompt, inputs, _, reference = _bridge_with_media_prompt(
-        architecture, media_folders, video=True
-    )
+    model, prompt, inputs, _, reference = media_setup(architecture, video=True)
     _assert_generates_as_hugging_face(model, reference, prompt, inputs, use_past_kv_cache)
 
 
