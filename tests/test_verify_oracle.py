@@ -19,7 +19,12 @@ import torch
 import safelens_tl
 from safelens_tl.kv import storage as kv_storage
 from safelens_tl.verify import checks, oracle
-from tests.conftest import requires_bridge, requires_hooked_transformer, tiny_model
+from tests.conftest import (
+    architecture_folder,
+    requires_bridge,
+    requires_hooked_transformer,
+    tiny_model,
+)
 
 
 def test_the_allowance_is_the_floor_twice_the_order_or_the_ceiling() -> None:
@@ -168,3 +173,90 @@ def test_order_leaves_out_a_forward_that_computes_something_else() -> None:
     assert oracle.order_error([], [], 4.0) == 0.0
     # NaN logits never widen it either (left out, or NaN, which leaves the floor).
     assert not oracle.order_error([rounded * math.nan], [whole], 4.0) > 0
+
+
+requires_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+)
+
+
+def _forwards_without_onednn(module: torch.nn.Module) -> tuple[list[bool], Any]:
+    """Records, at each forward of ``module``, whether oneDNN was enabled; returns the record and
+    the hook's handle."""
+    seen: list[bool] = []
+    handle = module.register_forward_pre_hook(
+        lambda _module, _args: seen.append(bool(torch.backends.mkldnn.enabled))
+    )
+    return seen, handle
+
+
+@requires_onednn
+def test_other_kernels_switch_only_onednn_and_put_it_back() -> None:
+    """The user's setting comes back, after an error too; where the user turned oneDNN off, the
+    cached and uncached paths take the same kernels and there is no other forward to run."""
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    assert torch.backends.mkldnn.enabled
+    assert oracle.other_kernels_apply(model)
+    assert not oracle.other_kernels_apply(torch.nn.Linear(4, 4))  # float32
+    with pytest.raises(RuntimeError, match="inside"), oracle.other_kernels():
+        assert not torch.backends.mkldnn.enabled
+        raise RuntimeError("inside")
+    assert torch.backends.mkldnn.enabled
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not oracle.other_kernels_apply(model)
+        with oracle.other_kernels():
+            pass
+        assert not torch.backends.mkldnn.enabled
+
+
+@requires_onednn
+@requires_hooked_transformer
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+def test_hooked_order_counts_the_forward_through_torch_s_own_kernels(dtype: torch.dtype) -> None:
+    """On a CPU with native half-precision dot products, torch hands the uncached forward's
+    products to oneDNN and a cached step's one-row products to its own kernels: the uncached
+    forward without oneDNN is one more order of the same sums, run once per batch in half
+    precision (never in float32, where both paths take the same kernel), and ``order`` is at
+    least its distance from the yardstick."""
+    model = tiny_model("gpt2-like", dtype)
+    seen, handle = _forwards_without_onednn(model)
+    try:
+        run = checks.teacher_forced(model, order_steps=2)
+    finally:
+        handle.remove()
+    assert torch.backends.mkldnn.enabled
+    assert seen.count(False) == (0 if dtype == torch.float32 else 1), seen
+    tokens, mask = checks.padded_batch(model, checks.LONG_CONTINUATION, checks.BATCHES[2])
+    with torch.inference_mode(), oracle.other_kernels():
+        own_kernels = model(tokens, attention_mask=mask)
+    valid = mask.bool()
+    scale = float(run.uncached.float().abs()[valid].max())
+    distance = oracle.relative_error(own_kernels[valid], run.uncached[valid], scale=scale)
+    assert run.order is not None and run.order >= distance
+
+
+@requires_onednn
+@requires_bridge
+@pytest.mark.parametrize("architecture", ["llama-like-gqa", "BartForConditionalGeneration"])
+def test_bridge_order_counts_the_forward_through_torch_s_own_kernels(architecture: str) -> None:
+    """The same for TransformerBridge's runs, decoder-only and encoder-decoder (whose decoder
+    Florence-2 shares: 1.1e-2 cached against uncached in bfloat16 on an AMD EPYC with
+    AVX512-BF16, above the floor, with every prefix forward at 0 from the yardstick)."""
+    from safelens_tl.verify import bridge
+
+    safelens_tl.activate()
+    if architecture == "llama-like-gqa":
+        folder = bridge.model_folder(architecture)
+    else:
+        folder = str(architecture_folder(architecture))
+    model = bridge.boot_folder(folder, torch.bfloat16)
+    reference = bridge.reference_from(folder, torch.bfloat16)
+    seen, handle = _forwards_without_onednn(model.original_model)
+    try:
+        runs = bridge.run_batches(model, reference, 4, uncached_generate=False, order_steps=2)
+    finally:
+        handle.remove()
+    assert torch.backends.mkldnn.enabled
+    assert seen.count(False) == len(runs) >= 1, seen

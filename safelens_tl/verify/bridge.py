@@ -602,7 +602,8 @@ def prefix_order(
     prefixes ending at the chosen steps, and (where the model takes a padded batch) the whole
     sequence behind :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding,
     which gives every matrix product and attention row other lengths and alignments at every
-    step."""
+    step; and the whole sequence through :func:`~safelens_tl.verify.oracle.other_kernels` where
+    they apply."""
     if order_steps == 0:
         return None, None
     chosen = oracle.order_steps(new_tokens, order_steps)
@@ -633,6 +634,11 @@ def prefix_order(
             )
             other.append(logits[:, -new_tokens - 1 : -1])
             whole.append(own)
+    if oracle.other_kernels_apply(bridge):
+        with oracle.other_kernels():
+            logits = _bridge_forward(bridge, sequences, mask, positions)
+        other.append(logits[:, -new_tokens - 1 : -1])
+        whole.append(own)
     return oracle.order_error(other, whole, scale), seconds
 
 
@@ -882,14 +888,17 @@ def run_seq2seq_batch(
     order = None
     if order_steps != 0:
         chosen = oracle.order_steps(decoder_ids.shape[1], order_steps)
-        prefix = [
-            _seq2seq_decoder_forward(bridge.original_model, encoded, decoder_ids[:, : step + 1])[0][
-                :, -1
-            ]
+        model = bridge.original_model
+        other = [
+            _seq2seq_decoder_forward(model, encoded, decoder_ids[:, : step + 1])[0][:, -1]
             for step in chosen
         ]
         whole = [own[:, step] for step in chosen]
-        order = oracle.order_error(prefix, whole, float(own.float().abs().max()))
+        if oracle.other_kernels_apply(model):
+            with oracle.other_kernels():
+                other.append(_seq2seq_decoder_forward(model, encoded, decoder_ids)[0])
+            whole.append(own)
+        order = oracle.order_error(other, whole, float(own.float().abs().max()))
     return BridgeRun(
         architecture=str(reference.config.architectures[0]),
         batch=len(prompts),

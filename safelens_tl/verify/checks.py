@@ -162,7 +162,8 @@ def teacher_forced_batches(
     return runs
 
 
-_Forward = tuple[int, str, int]  # (batch index, "whole" | "prefix" | "shift", position or shift)
+#: (batch index, "whole" | "prefix" | "shift" | "kernels", position or shift)
+_Forward = tuple[int, str, int]
 
 
 def _uncached_forwards(
@@ -173,8 +174,10 @@ def _uncached_forwards(
 ) -> dict[_Forward, torch.Tensor]:
     """The logits of every uncached forward, shortest first: the whole sequence of each batch;
     with ``order_steps``, the last position of the forwards over prefixes ending at that many of
-    the token-by-token positions (spread, the last included; ``None``: all of them) and the whole
-    sequence behind :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding."""
+    the token-by-token positions (spread, the last included; ``None``: all of them), the whole
+    sequence behind :data:`~safelens_tl.verify.oracle.SHIFTS` more positions of left padding, and
+    the whole sequence through :func:`~safelens_tl.verify.oracle.other_kernels` where they
+    apply."""
     pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
     planned: list[tuple[int, _Forward, torch.Tensor, torch.Tensor]] = []
     for index, (tokens, mask) in enumerate(inputs):
@@ -193,10 +196,14 @@ def _uncached_forwards(
             planned.append(
                 (length + shift, (index, "shift", shift), torch.cat([pad, tokens], 1), shifted_mask)
             )
+        if oracle.other_kernels_apply(model):
+            planned.append((length, (index, "kernels", 0), tokens, mask))
     logits: dict[_Forward, torch.Tensor] = {}
     for _, key, tokens, mask in sorted(planned, key=lambda forward: forward[0]):
-        out = model(tokens, attention_mask=mask)
         _, kind, at = key
+        kernels = oracle.other_kernels() if kind == "kernels" else contextlib.nullcontext()
+        with kernels:
+            out = model(tokens, attention_mask=mask)
         logits[key] = out[:, -1] if kind == "prefix" else out[:, at:] if kind == "shift" else out
     return logits
 

@@ -14,11 +14,12 @@ the same logits with their sums in other orders (``order``: :func:`order_error`)
 the prefix that ends at a step (what generation without a cache computes there), and the forward
 over the whole sequence behind :data:`SHIFTS` more positions of left padding (masked, the same
 positions: every matrix product and attention row takes other lengths and alignments at every
-step). All of them are right; they differ from the yardstick only because the sums run in
-another order, which is all a correct cache changes as well (one query against the cached keys,
-products of one row per sequence). The allowance is :data:`ORDER_FACTOR` times ``order``, never
-below the dtype's :data:`FLOORS` (a couple of units in the last place of the largest logit) and
-never above :data:`CEILING`.
+step), and, where torch has two CPU kernels for the dtype's matrix products, the whole forward
+through the other one (:func:`other_kernels`). All of them are right; they differ from the
+yardstick only because the sums run in another order, which is all a correct cache changes as
+well (one query against the cached keys, products of one row per sequence). The allowance is
+:data:`ORDER_FACTOR` times ``order``, never below the dtype's :data:`FLOORS` (a couple of units
+in the last place of the largest logit) and never above :data:`CEILING`.
 
 **Why not the dtype's rounding against float32.** The uncached forward in the dtype against the
 same forward in float32 (``rounding``: the dtype's rounding at the model's depth) counts every
@@ -29,6 +30,16 @@ values are 1% too large 2.0e-2 to 2.3e-2 from it: an allowance of even half the 
 pass that cache. ``rounding`` bounds what differs *between implementations* (the bridge against
 Hugging Face's own model: :func:`reference_bound`), and what a cache that keeps a recurrent state
 adds (below).
+
+**Other kernels.** On a CPU with native bfloat16 (or float16) dot products (AVX512-BF16, AMX),
+torch hands a half-precision matrix product to oneDNN above a small size (16x16x16) and computes
+smaller ones itself. A cached step's products have one row per sequence, so they fall below that
+size where the uncached forward's, over the whole sequence, are above it: the two paths round
+through different kernels, while every prefix and padded forward runs oneDNN's alone. Measured on
+such a CPU (AMD EPYC with AVX512-BF16, torch 2.13): Florence-2's tiny decoder in bfloat16, cached
+against uncached 1.1e-2, prefix and padded orders 0, the uncached forward without oneDNN 2.6e-2
+from it. So the uncached forward also runs once with oneDNN off, and counts as one more order.
+Elsewhere both runs take the same kernel and agree exactly.
 
 **Recurrent state.** A state-space or linear-attention layer's cache keeps a state that the
 uncached forward never rounds to the dtype; the cached path rounds it at every step (Hugging
@@ -56,9 +67,11 @@ flipped by rounding costs one step, not the rest of the sequence).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,6 +111,36 @@ REFERENCE_FACTOR = 2.0
 ORDER_STEPS = 8
 #: Positions of left padding put before the whole sequence for more orders of the same sums.
 SHIFTS = (1, 2, 3)
+
+
+#: Dtypes whose CPU matrix products torch may hand to oneDNN's native half-precision kernels.
+OTHER_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def other_kernels_apply(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s uncached forward also runs through :func:`other_kernels` for
+    ``order``: where oneDNN is enabled and the model holds half-precision weights on the CPU."""
+    mkldnn: Any = torch.backends.mkldnn
+    if not (mkldnn.is_available() and mkldnn.enabled):
+        return False
+    return any(
+        weight.device.type == "cpu" and weight.dtype in OTHER_KERNEL_DTYPES
+        for weight in model.parameters()
+    )
+
+
+@contextlib.contextmanager
+def other_kernels() -> Iterator[None]:
+    """Inside, torch computes CPU matrix products with its own kernels instead of oneDNN's (the
+    kernels a cached step's one-row products take): another order of the same sums."""
+    # Only this setting: torch's ``mkldnn.flags()`` would also reset its other settings.
+    mkldnn: Any = torch.backends.mkldnn
+    previous = bool(mkldnn.enabled)
+    mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        mkldnn.enabled = previous
 
 
 def floor_for(dtype: torch.dtype) -> float:
