@@ -214,7 +214,9 @@ def test_other_kernels_switch_only_onednn_and_put_it_back() -> None:
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
 )
-def test_hooked_order_counts_the_forward_through_torch_s_own_kernels(dtype: torch.dtype) -> None:
+def test_hooked_order_counts_the_forward_through_torch_s_own_kernels(
+    patched: safelens_tl.activation.Status, dtype: torch.dtype
+) -> None:
     """On a CPU with native half-precision dot products, torch hands the uncached forward's
     products to oneDNN and a cached step's one-row products to its own kernels: the uncached
     forward without oneDNN is one more order of the same sums, run once per batch in half
@@ -240,13 +242,14 @@ def test_hooked_order_counts_the_forward_through_torch_s_own_kernels(dtype: torc
 @requires_onednn
 @requires_bridge
 @pytest.mark.parametrize("architecture", ["llama-like-gqa", "BartForConditionalGeneration"])
-def test_bridge_order_counts_the_forward_through_torch_s_own_kernels(architecture: str) -> None:
+def test_bridge_order_counts_the_forward_through_torch_s_own_kernels(
+    patched: safelens_tl.activation.Status, architecture: str
+) -> None:
     """The same for TransformerBridge's runs, decoder-only and encoder-decoder (whose decoder
     Florence-2 shares: 1.1e-2 cached against uncached in bfloat16 on an AMD EPYC with
     AVX512-BF16, above the floor, with every prefix forward at 0 from the yardstick)."""
     from safelens_tl.verify import bridge
 
-    safelens_tl.activate()
     if architecture == "llama-like-gqa":
         folder = bridge.model_folder(architecture)
     else:
