@@ -1,13 +1,13 @@
 """A warm interpreter that forks children for the tests (the client is ``tests/warm_python.py``).
 
 Run as ``python tests/warm_server.py SOCKET_PATH`` with the environment its children are to have.
-It imports torch and transformers, which every child that loads a model would import first,
-listens on a Unix socket, and for each request forks a child that becomes ``python -c CODE``,
-``python -m MODULE`` or ``python SCRIPT`` with the arguments, working folder and standard streams
-the request names. It exits when its standard input closes (the test process ended).
+It imports torch and transformers (with its modeling base), which every child that loads a model
+would import first, listens on a Unix socket, and for each request forks a child that becomes
+``python -c CODE``, ``python -m MODULE`` or ``python SCRIPT`` with the arguments, working folder
+and standard streams the request names. It exits when its standard input closes (the test process ended).
 
 Standalone on purpose: it imports nothing of the tests or of safelens_tl, so that what a child
-finds imported is what site start-up (including ``safelens_tl.pth``) plus these two imports leave.
+finds imported is what site start-up (including ``safelens_tl.pth``) plus these imports leave.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ import types
 from typing import Any, NoReturn
 
 #: Imported before serving. Every child that loads a TransformerLens or Hugging Face model imports
-#: them first; neither reads anything at import that a child may change but the environment, and a
-#: server serves one environment only.
-PRELOADED = ("torch", "transformers")
+#: them first; none reads anything at import that a child may change but the environment, and a
+#: server serves one environment only. ``transformers`` itself imports lazily: its modeling base
+#: (``PreTrainedModel``, which every model class and TransformerLens import) costs each child
+#: another 1.0-1.8 s of CPU. TransformerLens is not preloaded: importing it runs safelens-tl's
+#: start-up hook, which the children's programs must meet as a fresh interpreter does.
+PRELOADED = ("torch", "transformers", "transformers.modeling_utils")
 #: Variables a child may have other than the server's, set after the fork: tempfile reads
 #: ``TMPDIR`` on first use, which comes after; pytest names the test running in
 #: ``PYTEST_CURRENT_TEST``, which would otherwise make every test start a server of its own.
