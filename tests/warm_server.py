@@ -4,7 +4,8 @@ Run as ``python tests/warm_server.py SOCKET_PATH`` with the environment its chil
 It imports torch and transformers (with its modeling base), which every child that loads a model
 would import first, listens on a Unix socket, and for each request forks a child that becomes
 ``python -c CODE``, ``python -m MODULE`` or ``python SCRIPT`` with the arguments, working folder
-and standard streams the request names. It exits when its standard input closes (the test process ended).
+and standard streams the request names. It exits when its standard input closes (the test
+process ended).
 
 Standalone on purpose: it imports nothing of the tests or of safelens_tl, so that what a child
 finds imported is what site start-up (including ``safelens_tl.pth``) plus these imports leave.
@@ -33,6 +34,10 @@ from typing import Any, NoReturn
 #: another 1.0-1.8 s of CPU. TransformerLens is not preloaded: importing it runs safelens-tl's
 #: start-up hook, which the children's programs must meet as a fresh interpreter does.
 PRELOADED = ("torch", "transformers", "transformers.modeling_utils")
+#: Imported before serving where installed: TransformerLens imports them (``datasets``, with
+#: pandas: 0.3-0.7 s of each child's CPU), and they import neither TransformerLens nor
+#: safelens-tl.
+PRELOADED_IF_INSTALLED = ("datasets",)
 #: Variables a child may have other than the server's, set after the fork: tempfile reads
 #: ``TMPDIR`` on first use, which comes after; pytest names the test running in
 #: ``PYTEST_CURRENT_TEST``, which would otherwise make every test start a server of its own.
@@ -93,6 +98,9 @@ def serve(address: str) -> None:
     """Import :data:`PRELOADED`, then fork a child per request until standard input closes."""
     for name in PRELOADED:
         importlib.import_module(name)
+    for name in PRELOADED_IF_INSTALLED:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     # What the imports made is never garbage: the children's collections need not walk it (and,
     # walking it, copy every page the fork shares).
     gc.freeze()
