@@ -194,16 +194,17 @@ def _counts(folder: Path) -> dict[tuple[str, str], list[int]]:
     return counts
 
 
-def measure(
-    generations: Sequence[tuple[int, int]] = GENERATIONS, rounds: int = ROUNDS, model: str = MODEL
-) -> tuple[list[dict[str, Any]], str | None]:
-    """Count every generation of ``model`` (a verifier model's name); return the rows and
-    ``None``, or no rows and why."""
+def count_in_children(
+    variants: Sequence[str], generations: Sequence[tuple[int, int]], rounds: int, model: str
+) -> tuple[dict[tuple[str, str], list[int]], str | None]:
+    """One callgrind child per variant, side by side (a count does not depend on the load): the
+    counts by ``(variant, "prompt+new")``, each a list of ``rounds``, and ``None``; or nothing and
+    why."""
     with tempfile.TemporaryDirectory(prefix="safelens-callgrind-") as name:
         folder = Path(name)
         helper = build_helper(folder)
         if isinstance(helper, str):
-            return [], helper
+            return {}, helper
         shapes = ",".join(f"{prompt}+{new}" for prompt, new in generations)
         env = {**os.environ, "PYTHONHASHSEED": "0", "SAFELENS_TL_AUTOPATCH": "0"}
         env.setdefault("HF_HUB_OFFLINE", "1")
@@ -218,24 +219,38 @@ def measure(
                 text=True,
                 env=env,
             )
-            for variant in VARIANTS
+            for variant in variants
         }
-        # Wait for both before reporting either: a child left running would write into the
+        # Wait for every child before reporting any: one left running would write into the
         # folder being removed.
         errors = {variant: process.communicate()[1] for variant, process in children.items()}
         for variant, process in children.items():
             if process.returncode != 0:
-                return [], (
+                return {}, (
                     f"valgrind ({variant}) exited with {process.returncode}: "
                     f"{errors[variant][-300:]}"
                 )
         counts = _counts(folder)
+    for variant in variants:
+        for prompt, new in generations:
+            found = counts.get((variant, f"{prompt}+{new}"), [])
+            if len(found) != rounds:
+                return {}, f"expected {rounds} counts of {variant} {prompt}+{new}; got {counts}"
+    return counts, None
+
+
+def measure(
+    generations: Sequence[tuple[int, int]] = GENERATIONS, rounds: int = ROUNDS, model: str = MODEL
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Count every generation of ``model`` (a verifier model's name), stock and patched; return
+    the rows and ``None``, or no rows and why."""
+    counts, reason = count_in_children(VARIANTS, generations, rounds, model)
+    if reason is not None:
+        return [], reason
     rows = []
     for prompt, new in generations:
         shape = f"{prompt}+{new}"
-        stock, ours = counts.get(("stock", shape), []), counts.get(("patched", shape), [])
-        if len(stock) != rounds or len(ours) != rounds:
-            return [], f"expected {rounds} counts per variant for {shape}; got {counts}"
+        stock, ours = counts[("stock", shape)], counts[("patched", shape)]
         rows.append(
             {
                 "generation": shape,
