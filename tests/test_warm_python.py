@@ -87,7 +87,38 @@ def test_a_warm_child_runs_as_a_fresh_interpreter(
 
 def test_a_warm_child_that_runs_too_long_is_killed(tmp_path: Path) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
-        run_python(["-c", "import time; print('started', flush=True); time.sleep(60)"], timeout=3)
+        run_python(["-c", "import time; print('started', flush=True); time.sleep(60)"], timeout=1)
+
+
+#: What the start-up hook left in an interpreter: its state, and whether its watcher waits for
+#: ``transformer_lens`` on ``sys.meta_path``.
+HOOK_PROBE = (
+    "import json, sys; hook = sys.modules.get('safelens_tl._startup'); "
+    "print(json.dumps([getattr(hook, 'state', None), "
+    "any(type(finder).__name__ == '_Watcher' for finder in sys.meta_path)]))"
+)
+
+
+def test_a_warm_child_meets_the_start_up_hook_as_its_own_opt_out_says() -> None:
+    """``SAFELENS_TL_AUTOPATCH`` is a child's own: one server (which starts without it) serves
+    children with the opt-out and without, each left by the hook as a fresh interpreter with
+    that value is (disarmed, or armed)."""
+    base = {**os.environ, "PROBE_VARIABLE": "the opt-out, then none, then the opt-out"}
+    base.pop("SAFELENS_TL_AUTOPATCH", None)
+    seen = []
+    for value in ("0", None, "0"):
+        environment = dict(base) if value is None else {**base, "SAFELENS_TL_AUTOPATCH": value}
+        warm = run_python(["-c", HOOK_PROBE], env=environment, timeout=120)
+        fresh = subprocess.run(
+            [sys.executable, "-c", HOOK_PROBE],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (warm.returncode, warm.stdout) == (fresh.returncode, fresh.stdout), value
+        seen.append(warm.stdout.strip())
+    assert seen == ['["disabled", false]', '["watching", true]', '["disabled", false]'], seen
 
 
 def test_a_warm_child_has_torch_imported_and_a_fresh_one_not() -> None:

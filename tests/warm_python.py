@@ -2,7 +2,8 @@
 
 A fresh interpreter spends about 4 s of CPU importing torch and transformers before it does what a
 test started it for. :func:`run_python` hands the command to a server (``tests/warm_server.py``)
-started once per environment (the same variables, ``TMPDIR`` and pytest's aside), which has
+started once per environment (the same variables, those a child sets after the fork aside:
+``tests/warm_server.py``'s ``PER_CHILD_VARIABLES``), which has
 imported those two and frozen them out of garbage collection; its fork becomes ``python -c CODE``,
 ``python -m MODULE`` or ``python SCRIPT`` with the working folder, environment and standard
 streams asked for, and ends as that interpreter would (``tests/test_warm_python.py`` compares).
@@ -10,7 +11,8 @@ streams asked for, and ends as that interpreter would (``tests/test_warm_python.
 What such a child has that a fresh one lacks: torch and transformers (and what they import) are in
 ``sys.modules`` before the program starts; the hash seed, ``sys.orig_argv`` and ``sys.flags`` are
 the server's. The start-up hook (``safelens_tl.pth``) ran in the server as it runs in every
-interpreter, and still waits for ``transformer_lens``. So the tests whose subject is start-up
+interpreter, and runs again in the child with the child's ``SAFELENS_TL_AUTOPATCH``: it waits for
+``transformer_lens`` unless that says no. So the tests whose subject is start-up
 itself (what an import loads, the hook, interpreter options) start fresh interpreters
 (``subprocess``), and so does :func:`run_python` for an interpreter option other than ``-c`` and
 ``-m``. ``SAFELENS_TL_TESTS_FRESH=1`` makes every child a fresh interpreter.

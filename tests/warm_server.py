@@ -38,10 +38,21 @@ PRELOADED = ("torch", "transformers", "transformers.modeling_utils")
 #: pandas: 0.3-0.7 s of each child's CPU), and they import neither TransformerLens nor
 #: safelens-tl.
 PRELOADED_IF_INSTALLED = ("datasets",)
-#: Variables a child may have other than the server's, set after the fork: tempfile reads
-#: ``TMPDIR`` on first use, which comes after; pytest names the test running in
-#: ``PYTEST_CURRENT_TEST``, which would otherwise make every test start a server of its own.
-PER_CHILD_VARIABLES = ("TMPDIR", "PYTEST_CURRENT_TEST")
+#: Variables a child may have other than the server's, set after the fork, since nothing reads
+#: them before: tempfile reads ``TMPDIR`` on first use; pytest names the test running in
+#: ``PYTEST_CURRENT_TEST``, which would otherwise make every test start a server of its own;
+#: safelens-tl reads its switches when TransformerLens is imported (the start-up hook's opt-out
+#: is read again after the fork, see :func:`_become_child`); torch sets
+#: ``TORCHINDUCTOR_CACHE_DIR`` in the test process at its first compilation and reads it at each.
+#: Every other variable keys a server of its own (``HF_HOME``, ``PYTHONWARNINGS``: read at import
+#: or start-up).
+PER_CHILD_VARIABLES = (
+    "TMPDIR",
+    "PYTEST_CURRENT_TEST",
+    "SAFELENS_TL_AUTOPATCH",
+    "SAFELENS_TL_DISABLE",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
 #: This file, as its frames name it (read now: the child replaces this main module).
 SERVER_FILE = __file__
 #: The largest request, in bytes (a documentation snippet is a few kilobytes).
@@ -60,6 +71,11 @@ def _become_child(request: dict[str, Any]) -> NoReturn:
         else:
             os.environ[name] = value
     tempfile.tempdir = None
+    startup = sys.modules.get("safelens_tl._startup")
+    if startup is not None:
+        # The start-up hook (safelens_tl.pth) read SAFELENS_TL_AUTOPATCH in the server: arm or
+        # disarm it again with the child's value, as a fresh interpreter's start-up would.
+        startup.install()
     importlib.invalidate_caches()
     sys.path_importer_cache.clear()
     kind, target, arguments = request["kind"], request["target"], request["arguments"]
