@@ -121,6 +121,23 @@ def float64_error(
     return float((logits.double() - exact).abs().max())
 
 
+def test_the_peak_is_what_is_held_at_once() -> None:
+    """The guard's memory count: three 4 KiB tensors held together peak at 12 KiB, made and
+    dropped one after another at 4 KiB (a count of every allocation would say 12 KiB for both,
+    one that ignored their order anything)."""
+
+    def held_together() -> None:
+        kept = [torch.ones(1024) for _ in range(3)]
+        del kept
+
+    def one_after_another() -> None:
+        for _ in range(3):
+            torch.ones(1024)
+
+    assert differential.peak_bytes(held_together)[1] == 3 * 4096
+    assert differential.peak_bytes(one_after_another)[1] == 4096
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["no-grad", "backward"])
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
