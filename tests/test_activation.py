@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 import threading
 import warnings
 from typing import Any
@@ -15,6 +13,7 @@ import safelens_tl
 from safelens_tl.activation import SafelensWarning
 from safelens_tl.kv import entry as kv_cache
 from tests.conftest import LAYOUT, RELEASE
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.startup
 
@@ -98,6 +97,8 @@ def test_import_patch_module_activates() -> None:
 
 
 def test_import_patch_in_a_fresh_interpreter() -> None:
+    """``import safelens_tl.patch`` activates in a new process, the start-up hook turned off (a
+    warm child, ``tests/warm_python.py``: the subject is the explicit spelling, not start-up)."""
     code = (
         "import os; os.environ['SAFELENS_TL_AUTOPATCH'] = '0'\n"
         "import safelens_tl.patch, safelens_tl\n"
@@ -106,9 +107,7 @@ def test_import_patch_in_a_fresh_interpreter() -> None:
         "assert targets.locate().entry_class.__dict__['append'] is kv_cache.append\n"
         "print(safelens_tl.status().active)\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
-    )
+    completed = run_python(["-c", code], timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip().endswith("True")
 

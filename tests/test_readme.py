@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm_python import run_python
 
 pytestmark = pytest.mark.docs
 
@@ -57,11 +57,9 @@ def test_each_environment_ends_with_its_counts(tmp_path: Path) -> None:
         "@pytest.mark.skip(reason='shown as skipped')\n"
         "def test_skipped():\n    pass\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", str(tmp_path)],
+    done = run_python(
+        ["-m", "pytest", "-q", "-p", "tests.conftest", str(tmp_path)],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**os.environ, "TOX_ENV_NAME": "tl999", "HF_HUB_OFFLINE": "1", "PYTEST_ADDOPTS": ""},
     )

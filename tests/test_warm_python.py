@@ -100,11 +100,10 @@ HOOK_PROBE = (
 
 
 def test_a_warm_child_meets_the_start_up_hook_as_its_own_opt_out_says() -> None:
-    """``SAFELENS_TL_AUTOPATCH`` is a child's own: one server (which starts without it) serves
-    children with the opt-out and without, each left by the hook as a fresh interpreter with
-    that value is (disarmed, or armed)."""
-    base = {**os.environ, "PROBE_VARIABLE": "the opt-out, then none, then the opt-out"}
-    base.pop("SAFELENS_TL_AUTOPATCH", None)
+    """``SAFELENS_TL_AUTOPATCH`` is a child's own: one server (which starts without it, the one
+    the other tests use) serves children with the opt-out and without, each left by the hook as
+    a fresh interpreter with that value is (disarmed, or armed)."""
+    base = {name: value for name, value in os.environ.items() if name != "SAFELENS_TL_AUTOPATCH"}
     seen = []
     for value in ("0", None, "0"):
         environment = dict(base) if value is None else {**base, "SAFELENS_TL_AUTOPATCH": value}

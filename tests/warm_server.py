@@ -43,15 +43,17 @@ PRELOADED_IF_INSTALLED = ("datasets",)
 #: ``PYTEST_CURRENT_TEST``, which would otherwise make every test start a server of its own;
 #: safelens-tl reads its switches when TransformerLens is imported (the start-up hook's opt-out
 #: is read again after the fork, see :func:`_become_child`); torch sets
-#: ``TORCHINDUCTOR_CACHE_DIR`` in the test process at its first compilation and reads it at each.
-#: Every other variable keys a server of its own (``HF_HOME``, ``PYTHONWARNINGS``: read at import
-#: or start-up).
+#: ``TORCHINDUCTOR_CACHE_DIR`` in the test process at its first compilation and reads it at each;
+#: a child pytest reads ``PYTEST_ADDOPTS`` and the tests' conftest ``TOX_ENV_NAME``. Every other
+#: variable keys a server of its own (``HF_HOME``, ``PYTHONWARNINGS``: read at import or start-up).
 PER_CHILD_VARIABLES = (
     "TMPDIR",
     "PYTEST_CURRENT_TEST",
     "SAFELENS_TL_AUTOPATCH",
     "SAFELENS_TL_DISABLE",
     "TORCHINDUCTOR_CACHE_DIR",
+    "PYTEST_ADDOPTS",
+    "TOX_ENV_NAME",
 )
 #: This file, as its frames name it (read now: the child replaces this main module).
 SERVER_FILE = __file__
