@@ -206,7 +206,11 @@ def python_files_run(action: Callable[[], object]) -> set[Path]:
     try:
         action()
     finally:
-        sys.setprofile(previous)
+        if previous is None or callable(previous):
+            sys.setprofile(previous)
+        else:  # cProfile's profiler: sys.getprofile() hands back the object, which re-installs
+            sys.setprofile(None)
+            previous.enable()
     return {Path(name).resolve() for name in seen if not name.startswith("<")}
 
 
